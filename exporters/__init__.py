@@ -1,0 +1,1 @@
+"""Exporters: Prometheus metrics, Grafana dashboards, alert rules."""

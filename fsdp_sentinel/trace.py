@@ -1,0 +1,317 @@
+"""Trace format v1: the interchange contract (see docs/trace-format.md).
+
+JSON Lines, one object per line, optionally zstd-compressed (``.zst``). The
+first line is a ``header``. Readers ignore unknown kinds and unknown fields; a
+record of a known kind missing a required field is an error naming file and
+line (strict mode), or is skipped and counted (lenient mode).
+
+This module is the lowest layer: it imports nothing else of the package.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+FORMAT = "fsdp-sentinel-trace"
+VERSION = 1
+
+Record = dict[str, Any]
+
+#: kind -> fields every record of that kind must carry.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "header": ("format", "version"),
+    "rank": ("t", "rank", "world_size", "host", "pid", "addrs"),
+    "step": ("rank", "step", "start", "end"),
+    "coll": ("rank", "step", "seq", "op", "bytes", "issue", "end"),
+    "flow": ("t", "dt", "host", "pid", "src", "dst", "tx_bytes", "rx_bytes"),
+    "netdev": ("t", "dt", "host", "dev", "tx_bytes", "rx_bytes"),
+    "conn": ("t", "host", "pid", "src", "dst", "what"),
+    "verdict": ("t", "step", "rank", "state", "cause", "score"),
+    "action": ("t", "host", "dev", "what", "state"),
+    "fault": ("t", "host", "rank", "what", "params"),
+}
+
+#: Field that places a record of each kind on the time line (for merging).
+TIME_FIELD: dict[str, str] = {
+    "header": "",
+    "rank": "t",
+    "step": "end",
+    "coll": "end",
+    "flow": "t",
+    "netdev": "t",
+    "conn": "t",
+    "verdict": "t",
+    "action": "t",
+    "fault": "t",
+}
+
+
+class TraceError(ValueError):
+    """A malformed trace line; ``path`` and ``line`` say where."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        super().__init__(f"{path}:{line}: {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+
+def header() -> Record:
+    return {"kind": "header", "format": FORMAT, "version": VERSION}
+
+
+def missing_fields(rec: Record) -> list[str]:
+    """Required fields absent from ``rec`` (empty for unknown kinds)."""
+    need = REQUIRED.get(rec.get("kind", ""), ())
+    return [f for f in need if f not in rec]
+
+
+def validate(rec: Any) -> str | None:
+    """Why ``rec`` is not a valid record, or None when it is."""
+    if not isinstance(rec, dict):
+        return "record is not a JSON object"
+    kind = rec.get("kind")
+    if not isinstance(kind, str):
+        return "record has no string 'kind'"
+    miss = missing_fields(rec)
+    if miss:
+        return f"{kind} record missing required field(s): {', '.join(miss)}"
+    return None
+
+
+def record_time(rec: Record) -> float:
+    """The time that places ``rec`` on the time line (0.0 when it has none)."""
+    key = TIME_FIELD.get(rec.get("kind", ""), "t")
+    value = rec.get(key) if key else None
+    if value is None:
+        value = rec.get("t", 0.0)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def encode(rec: Record) -> bytes:
+    """One record as one line of compact JSON (newline included)."""
+    return (json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def _is_zst(path: str | os.PathLike[str]) -> bool:
+    return str(path).endswith(".zst")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class TraceWriter:
+    """Appends records to a trace file; thread-safe.
+
+    Flushes and fsyncs every ``sync_interval`` seconds (checked on each write)
+    and on ``close()``, so a crash loses at most one interval. A ``.zst`` path
+    is written as a stream of independently flushed zstd frames, so a crash
+    leaves every synced frame readable. The header is written once, when the
+    file is new or empty.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        sync_interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = Path(path)
+        self.sync_interval = sync_interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not self.path.exists() or self.path.stat().st_size == 0
+        self._raw: IO[bytes] = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self._zst = _is_zst(self.path)
+        self._compressor: Any = None
+        self._zwriter: Any = None
+        if self._zst:
+            import zstandard
+
+            self._compressor = zstandard.ZstdCompressor(level=3)
+            self._zwriter = self._compressor.stream_writer(self._raw, closefd=False)
+        self._last_sync = self._clock()
+        self.records = 0
+        self.closed = False
+        if fresh:
+            self.write(header())
+
+    def write(self, rec: Record) -> None:
+        data = encode(rec)
+        with self._lock:
+            if self.closed:
+                return
+            if self._zst:
+                self._zwriter.write(data)
+            else:
+                self._raw.write(data)
+            self.records += 1
+            if self._clock() - self._last_sync >= self.sync_interval:
+                self._sync_locked()
+
+    def write_many(self, recs: Iterable[Record]) -> None:
+        for rec in recs:
+            self.write(rec)
+
+    def sync(self) -> None:
+        with self._lock:
+            if not self.closed:
+                self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        if self._zst:
+            import zstandard
+
+            # End the frame so everything so far is decodable after a crash.
+            self._zwriter.flush(zstandard.FLUSH_FRAME)
+        self._raw.flush()
+        os.fsync(self._raw.fileno())
+        self._last_sync = self._clock()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self._sync_locked()
+            if self._zst:
+                self._zwriter.close()
+            self._raw.close()
+            self.closed = True
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _open_lines(path: str | os.PathLike[str]) -> IO[bytes]:
+    raw = open(path, "rb")  # noqa: SIM115 - returned to caller
+    if not _is_zst(path):
+        return raw
+    import zstandard
+
+    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    return io.BufferedReader(reader)  # type: ignore[arg-type]
+
+
+@dataclass
+class TraceReader:
+    """Streams records from one trace file.
+
+    ``strict`` (default): broken JSON or a missing required field raises
+    :class:`TraceError` naming the file and line. Lenient: such lines are
+    skipped and counted in ``skipped`` (their line numbers in ``skipped_lines``,
+    the first 100). A last line with no newline that does not parse (a writer
+    that crashed mid-line) counts as truncated in lenient mode and is an error
+    in strict mode.
+    """
+
+    path: str | os.PathLike[str]
+    strict: bool = True
+    skipped: int = 0
+    skipped_lines: list[int] = field(default_factory=list)
+    lines: int = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        name = str(self.path)
+        loads = json.loads
+        required = REQUIRED
+        with _open_lines(self.path) as fh:
+            for lineno, raw in enumerate(fh, 1):
+                self.lines = lineno
+                if not raw.strip():
+                    continue
+                try:
+                    rec = loads(raw)
+                except (ValueError, UnicodeDecodeError) as e:
+                    why = "truncated last line" if not raw.endswith(b"\n") else f"invalid JSON ({e})"
+                    self._bad(name, lineno, why)
+                    continue
+                if type(rec) is not dict:
+                    self._bad(name, lineno, "record is not a JSON object")
+                    continue
+                kind = rec.get("kind")
+                need = required.get(kind) if isinstance(kind, str) else None
+                if need is None:
+                    if not isinstance(kind, str):
+                        self._bad(name, lineno, "record has no string 'kind'")
+                        continue
+                    # Unknown kind: readers ignore it, but pass it on; consumers
+                    # dispatch on kind and drop what they do not know.
+                    yield rec
+                    continue
+                for f in need:
+                    if f not in rec:
+                        miss = [x for x in need if x not in rec]
+                        self._bad(
+                            name, lineno, f"{kind} record missing required field(s): {', '.join(miss)}"
+                        )
+                        break
+                else:
+                    if kind == "header" and rec.get("format") != FORMAT:
+                        self._bad(name, lineno, f"not an {FORMAT} header: {rec.get('format')!r}")
+                        continue
+                    yield rec
+
+    def _bad(self, name: str, lineno: int, why: str) -> None:
+        if self.strict:
+            raise TraceError(name, lineno, why)
+        self.skipped += 1
+        if len(self.skipped_lines) < 100:
+            self.skipped_lines.append(lineno)
+
+
+def read_trace(path: str | os.PathLike[str], strict: bool = True) -> Iterator[Record]:
+    """Records of one trace file, in file order (see :class:`TraceReader`)."""
+    return iter(TraceReader(path, strict=strict))
+
+
+def merge_traces(readers: Iterable[Iterable[Record]]) -> Iterator[Record]:
+    """Merge several record streams into one, ordered by :func:`record_time`.
+
+    Each stream is assumed roughly time-ordered (as writers produce them); the
+    merge is stable (ties keep stream order) and streams are consumed lazily,
+    so memory stays flat. Header records are dropped.
+    """
+    iters = [iter(r) for r in readers]
+    if len(iters) == 1:
+        for rec in iters[0]:
+            if rec.get("kind") != "header":
+                yield rec
+        return
+    heap: list[tuple[float, int, int, Record]] = []
+    counter = 0
+    for idx, it in enumerate(iters):
+        for rec in it:
+            if rec.get("kind") == "header":
+                continue
+            heap.append((record_time(rec), counter, idx, rec))
+            counter += 1
+            break
+    heapq.heapify(heap)
+    while heap:
+        _, _, idx, rec = heapq.heappop(heap)
+        yield rec
+        for nxt in iters[idx]:
+            if nxt.get("kind") == "header":
+                continue
+            heapq.heappush(heap, (record_time(nxt), counter, idx, nxt))
+            counter += 1
+            break

@@ -1,0 +1,1 @@
+"""Kernel probes (bcc): C sources and their loader."""
