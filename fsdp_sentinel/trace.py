@@ -38,6 +38,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "verdict": ("t", "step", "rank", "state", "cause", "score"),
     "action": ("t", "host", "dev", "what", "state"),
     "fault": ("t", "host", "rank", "what", "params"),
+    "nccl": ("t", "dt", "host", "pid", "op", "calls", "bytes"),
+    "qp": ("t", "host", "pid", "qp_num", "what"),
+    "rdma": ("t", "dt", "host", "dev", "port", "tx_bytes", "rx_bytes"),
 }
 
 #: Field that places a record of each kind on the time line (for merging).
@@ -52,6 +55,9 @@ TIME_FIELD: dict[str, str] = {
     "verdict": "t",
     "action": "t",
     "fault": "t",
+    "nccl": "t",
+    "qp": "t",
+    "rdma": "t",
 }
 
 
@@ -241,7 +247,9 @@ class TraceReader:
                 try:
                     rec = loads(raw)
                 except (ValueError, UnicodeDecodeError) as e:
-                    why = "truncated last line" if not raw.endswith(b"\n") else f"invalid JSON ({e})"
+                    why = (
+                        "truncated last line" if not raw.endswith(b"\n") else f"invalid JSON ({e})"
+                    )
                     self._bad(name, lineno, why)
                     continue
                 if type(rec) is not dict:
@@ -261,7 +269,9 @@ class TraceReader:
                     if f not in rec:
                         miss = [x for x in need if x not in rec]
                         self._bad(
-                            name, lineno, f"{kind} record missing required field(s): {', '.join(miss)}"
+                            name,
+                            lineno,
+                            f"{kind} record missing required field(s): {', '.join(miss)}",
                         )
                         break
                 else:

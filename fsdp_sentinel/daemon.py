@@ -1,0 +1,592 @@
+"""``fsdp-sentinel run``: the live daemon (probes + ingest socket + detection + exporter).
+
+Threads, and who owns what:
+
+- the **ingest** thread (:class:`~fsdp_sentinel.ingest.IngestServer`) receives
+  the ranks' records and puts them on a queue; it touches nothing else;
+- the **pipeline** thread (the one that calls :meth:`Daemon.run`; the main
+  thread under ``fsdp-sentinel run``) owns the probes, the pipeline, the
+  remediator and the trace writers. It takes records off the queue and, every
+  ``interval`` seconds, polls the probes. Each record is written to the trace
+  and then fed to the pipeline, and the verdicts the pipeline returns (and the
+  remediator's actions) are written right after it, so the trace's order is
+  the pipeline's order and ``fsdp-sentinel replay`` of the trace reproduces the
+  verdicts. After each poll it publishes an immutable snapshot;
+- the **HTTP** thread serves ``/metrics`` and ``/api/v1/snapshot`` from the
+  published snapshot, and ``--live`` redraws the table from it: readers never
+  touch the pipeline, so the hot path takes no lock of ours.
+
+SIGINT/SIGTERM end the loop; the queue is drained, the probes polled a last
+time, the remediator undoes its changes, the probes are detached and the trace
+is flushed and closed; the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from fsdp_sentinel.ingest import DEFAULT_SOCKET, IngestServer
+from fsdp_sentinel.snapshot import Snapshot
+from fsdp_sentinel.trace import TraceWriter
+
+log = logging.getLogger("fsdp_sentinel.daemon")
+
+HELP = "the live daemon: probes, ingest socket, detection, exporter"
+DESCRIPTION = (
+    "Run the live daemon. Training ranks announce themselves and send their step and\n"
+    "collective records to the ingest socket; kernel probes measure their TCP flows;\n"
+    "the detection pipeline flags the rank that holds the job back and why. Metrics\n"
+    "are served for Prometheus, the live table for `fsdp-sentinel top`, and one\n"
+    "trace file holds everything (replay it to get the same verdicts)."
+)
+EPILOG = """examples:
+  fsdp-sentinel run --trace-out run.jsonl.zst
+  fsdp-sentinel run --live --verdicts-out verdicts.jsonl
+  fsdp-sentinel run --no-probes --socket /tmp/s/ingest.sock --metrics-addr off
+  fsdp-sentinel top                       # the table of a running daemon
+
+SIGINT/SIGTERM: detach probes, undo tc changes, flush the trace, exit 0.
+"""
+
+DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
+REMEDIATE_MODES = ("off", "dry-run", "apply")
+
+Record = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- seams
+
+
+class ProbeSource(Protocol):
+    """What the daemon needs of :class:`fsdp_sentinel.probes.loader.ProbeSet`."""
+
+    def start(self) -> Any: ...
+    def register_pid(self, pid: int) -> None: ...
+    def unregister_pid(self, pid: int) -> None: ...
+    def poll(self) -> list[Record]: ...
+    def close(self) -> None: ...
+
+
+class PipelineLike(Protocol):
+    """What the daemon needs of :class:`fsdp_sentinel.pipeline.Pipeline`."""
+
+    def feed(self, rec: Record) -> list[Record]: ...
+    def snapshot(self) -> Snapshot: ...
+
+
+class Remediator(Protocol):
+    """Receives every verdict; returns the ``action`` records of what it did.
+
+    ``close()`` undoes every change still in place (returning its
+    ``rolled_back`` actions); it is called once, at exit.
+    """
+
+    def on_verdict(self, verdict: Record) -> list[Record]: ...
+    def close(self) -> list[Record]: ...
+
+
+class NullRemediator:
+    """``--remediate off``: looks at nothing, changes nothing."""
+
+    def on_verdict(self, verdict: Record) -> list[Record]:
+        return []
+
+    def close(self) -> list[Record]:
+        return []
+
+
+def make_remediator(mode: str, host: str) -> Remediator:
+    """The remediator for ``--remediate MODE`` (``off`` is built in)."""
+    if mode == "off":
+        return NullRemediator()
+    try:
+        from fsdp_sentinel import remediate  # type: ignore[attr-defined]
+    except ImportError:
+        raise NotImplementedError(
+            f"--remediate {mode}: remediation is not part of this build yet"
+        ) from None
+    built: Remediator = remediate.build_remediator(mode, host=host)
+    return built
+
+
+def default_probes(interval: float, host: str) -> ProbeSource:
+    from fsdp_sentinel.probes.loader import ProbeConfig, ProbeSet
+
+    probes: ProbeSource = ProbeSet(ProbeConfig(interval=interval, pid_filter=True, host=host))
+    return probes
+
+
+def default_pipeline(config_path: str | None) -> PipelineLike:
+    from fsdp_sentinel.pipeline import Pipeline
+
+    config = None
+    if config_path:
+        from fsdp_sentinel.detect import DetectConfig
+
+        config = DetectConfig.from_file(config_path)
+    pipeline: PipelineLike = Pipeline(config)
+    return pipeline
+
+
+# --------------------------------------------------------------------------- daemon
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket_path: str = DEFAULT_SOCKET
+    trace_out: str | None = None
+    verdicts_out: str | None = None
+    #: (host, port) for /metrics and /api/v1/snapshot; None disables; port 0 picks one.
+    metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9464)
+    interval: float = 1.0
+    #: Records waiting for the pipeline beyond this are refused (and counted).
+    queue_max: int = 200_000
+    #: How often registered pids are checked for having exited.
+    pid_check_interval: float = 5.0
+
+
+_WAKE: Record = {"kind": "_wake"}  # a queue item that only wakes the loop
+
+
+class Daemon:
+    """The live daemon; see the module docstring for its threads.
+
+    Boundaries are injected: ``pipeline``, ``probes`` (None: no probes),
+    ``remediator``, ``clock`` (monotonic, for the poll timer) and
+    ``proc_root`` (to notice registered pids that exited).
+    """
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        pipeline: PipelineLike,
+        probes: ProbeSource | None = None,
+        remediator: Remediator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        proc_root: str = "/proc",
+    ) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.probes = probes
+        self.remediator: Remediator = remediator or NullRemediator()
+        self._clock = clock
+        self._proc = Path(proc_root)
+        self._queue: queue.SimpleQueue[Record] = queue.SimpleQueue()
+        self._stopping = False
+        self._snapshot = Snapshot()
+        self.pids: set[int] = set()
+        self.counts: Counter[str] = Counter()  # records by kind, plus "verdict", "action"
+        self.pipeline_errors = 0
+        self.ingest: IngestServer | None = None
+        self.http: Any = None
+        self._trace: TraceWriter | None = None
+        self._verdicts: TraceWriter | None = None
+        self._synced: dict[int, int] = {}  # id(writer) -> records at its last sync
+        self._started = False
+        self._closed = False
+
+    # ----------------------------------------------------------------- life cycle
+
+    def start(self) -> None:
+        """Open outputs, attach probes, bind the socket, serve HTTP. On failure
+        everything opened so far is closed again and the error re-raised."""
+        try:
+            cfg = self.config
+            if cfg.trace_out:
+                self._trace = TraceWriter(cfg.trace_out)
+            if cfg.verdicts_out:
+                self._verdicts = TraceWriter(cfg.verdicts_out)
+            if self.probes is not None:
+                report = self.probes.start()
+                attached = getattr(report, "attached", [])
+                log.info("probes attached: %s", ", ".join(attached) or "none")
+                for name, why in getattr(report, "missing", []):
+                    log.warning("probe %s not attached: %s", name, why)
+            else:
+                log.warning("running without probes (--no-probes): no flow figures")
+            self.ingest = IngestServer(cfg.socket_path, self._enqueue).start()
+            log.info(
+                "listening on %s (receive buffer %d KiB)",
+                cfg.socket_path,
+                self.ingest.rcvbuf // 1024,
+            )
+            if cfg.metrics_addr is not None:
+                from fsdp_sentinel.exporters.http import MetricsServer
+                from fsdp_sentinel.exporters.prometheus import build_registry
+
+                registry = build_registry(self.snapshot)
+                self.http = MetricsServer(cfg.metrics_addr, registry, self.snapshot).start()
+                log.info("serving %s/metrics and %s/api/v1/snapshot", self.http.url, self.http.url)
+            self._started = True
+        except BaseException:
+            self.close()
+            raise
+
+    def _enqueue(self, rec: Record) -> bool:
+        # Runs on the ingest thread: a bounded hand-off, nothing more.
+        if self._queue.qsize() >= self.config.queue_max:
+            return False
+        self._queue.put(rec)
+        return True
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to return; safe from a signal handler or another thread."""
+        self._stopping = True
+        self._queue.put(_WAKE)  # SimpleQueue.put is reentrant
+
+    def run(self) -> None:
+        """The pipeline loop, until :meth:`request_stop`; then drains and polls once more."""
+        interval = self.config.interval
+        clock = self._clock
+        get = self._queue.get
+        next_poll = clock() + interval
+        next_pid_check = clock() + self.config.pid_check_interval
+        self._tick()
+        while not self._stopping:
+            now = clock()
+            if now >= next_poll:
+                self._tick()
+                # Skip missed ticks rather than bursting to catch up.
+                next_poll = max(next_poll + interval, now + interval / 2)
+                if now >= next_pid_check:
+                    self._forget_exited_pids()
+                    next_pid_check = now + self.config.pid_check_interval
+                continue
+            try:
+                rec = get(timeout=next_poll - now)
+            except queue.Empty:
+                continue
+            if rec is not _WAKE:
+                self._handle(rec)
+        self._drain()
+        self._tick()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                rec = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if rec is not _WAKE:
+                self._handle(rec)
+
+    def close(self) -> None:
+        """Stop receiving, undo remediation, detach probes, close outputs. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.ingest is not None:
+            self.ingest.close()
+            self._drain()  # what arrived before the socket closed
+        for action in self._safely("remediator close", self.remediator.close) or []:
+            self._write_action(action)
+        if self.probes is not None:
+            self._safely("probe detach", self.probes.close)
+            self.probes = None
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+        for writer in (self._trace, self._verdicts):
+            if writer is not None:
+                writer.close()
+        if self._started:
+            self._started = False
+            self._log_summary()
+
+    def _safely(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("%s failed", what)
+            return None
+
+    # ----------------------------------------------------------------- hot path
+
+    def _handle(self, rec: Record) -> None:
+        kind = rec["kind"]
+        self.counts[kind] += 1
+        if kind == "rank":
+            self._register(rec.get("pid"))
+        if self._trace is not None:
+            self._trace.write(rec)
+        try:
+            verdicts = self.pipeline.feed(rec)
+        except Exception:
+            # A record the pipeline cannot digest must not stop the daemon;
+            # replay of the trace will meet (and report) the same record.
+            self.pipeline_errors += 1
+            if self.pipeline_errors <= 10:
+                log.exception("pipeline failed on a %s record; record kept in the trace", kind)
+            return
+        for verdict in verdicts:
+            self._handle_verdict(verdict)
+
+    def _handle_verdict(self, verdict: Record) -> None:
+        self.counts["verdict"] += 1
+        if self._trace is not None:
+            self._trace.write(verdict)
+        if self._verdicts is not None:
+            self._verdicts.write(verdict)
+        log.warning(
+            "verdict: rank %s %s (cause %s, score %.3g) at step %s",
+            verdict.get("rank"),
+            verdict.get("state"),
+            verdict.get("cause"),
+            float(verdict.get("score") or 0.0),
+            verdict.get("step"),
+        )
+        for action in self._safely("remediator", self.remediator.on_verdict, verdict) or []:
+            self._write_action(action)
+
+    def _write_action(self, action: Record) -> None:
+        self.counts["action"] += 1
+        log.info("action: %s %s on %s %s", action.get("what"), action.get("state"),
+                 action.get("host"), action.get("dev"))  # fmt: skip
+        if self._trace is not None:
+            self._trace.write(action)
+
+    def _tick(self) -> None:
+        if self.probes is not None:
+            recs = self._safely("probe poll", self.probes.poll) or []
+            for rec in recs:
+                self._handle(rec)
+        self._publish()
+        self._sync_outputs()
+
+    def _sync_outputs(self) -> None:
+        # TraceWriter syncs on write only; when records stop coming the last
+        # ones would wait in a buffer. Sync at the tick if anything is new.
+        for writer in (self._trace, self._verdicts):
+            if writer is not None and writer.records != self._synced.get(id(writer)):
+                writer.sync()
+                self._synced[id(writer)] = writer.records
+
+    def _publish(self) -> None:
+        try:
+            snap = self.pipeline.snapshot()
+        except Exception:
+            log.exception("pipeline snapshot failed")
+            return
+        ingest = self.ingest
+        if ingest is not None:
+            snap = dataclasses.replace(
+                snap,
+                ingest_dropped_total=ingest.dropped_total,
+                ingest_malformed_total=ingest.malformed_total,
+            )
+        self._snapshot = snap  # one reference swap: readers see old or new
+
+    def snapshot(self) -> Snapshot:
+        """The latest published snapshot (any thread)."""
+        return self._snapshot
+
+    # ----------------------------------------------------------------- pids
+
+    def _register(self, pid: Any) -> None:
+        if not isinstance(pid, int) or pid <= 0 or pid in self.pids:
+            return
+        self.pids.add(pid)
+        log.info("rank process %d announced itself", pid)
+        if self.probes is not None:
+            self._safely("register pid", self.probes.register_pid, pid)
+
+    def _forget_exited_pids(self) -> None:
+        # A pid that exited may be reused by an unrelated process: stop counting it.
+        for pid in [p for p in self.pids if not (self._proc / str(p)).exists()]:
+            self.pids.discard(pid)
+            log.info("rank process %d exited", pid)
+            if self.probes is not None:
+                self._safely("unregister pid", self.probes.unregister_pid, pid)
+
+    def _log_summary(self) -> None:
+        ingest = self.ingest
+        dropped = {why: n for why, n in ingest.dropped.items() if n} if ingest is not None else {}
+        log.info(
+            "stopped: %d records (%s), %d verdicts, %d actions, ingest dropped %s",
+            sum(n for k, n in self.counts.items() if k not in ("verdict", "action")),
+            ", ".join(
+                f"{k} {n}" for k, n in sorted(self.counts.items()) if k not in ("verdict", "action")
+            )
+            or "none",  # fmt: skip
+            self.counts["verdict"],
+            self.counts["action"],
+            dropped or 0,
+        )
+        if self.pipeline_errors:
+            log.error("the pipeline failed on %d records", self.pipeline_errors)
+
+
+# --------------------------------------------------------------------------- command
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is now, so ``--live`` can redirect logs
+    above its table."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def setup_logging(level: str) -> None:
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("fsdp_sentinel")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--socket",
+        default=DEFAULT_SOCKET,
+        metavar="PATH",
+        help=f"ingest socket the ranks send to (default {DEFAULT_SOCKET})",
+    )
+    parser.add_argument("--trace-out", metavar="FILE", help="write every record here (.zst ok)")
+    parser.add_argument("--verdicts-out", metavar="FILE", help="write verdict records here")
+    parser.add_argument(
+        "--metrics-addr",
+        default=DEFAULT_METRICS_ADDR,
+        metavar="HOST:PORT",
+        type=_metrics_addr,
+        help=f"serve /metrics and /api/v1/snapshot here, or 'off' (default {DEFAULT_METRICS_ADDR})",
+    )
+    parser.add_argument(
+        "--remediate",
+        choices=REMEDIATE_MODES,
+        default="off",
+        help="reprioritise a straggler's traffic with tc: off (default), dry-run, apply",
+    )
+    parser.add_argument("--live", action="store_true", help="show the live per-rank table")
+    parser.add_argument(
+        "--interval",
+        type=_interval,
+        default=1.0,
+        metavar="S",
+        help="probe poll and snapshot period in seconds (default 1)",
+    )
+    parser.add_argument("--config", metavar="FILE", help="detection thresholds (DetectConfig file)")
+    parser.add_argument(
+        "--no-probes",
+        action="store_true",
+        help="do not load eBPF probes (hosts without eBPF, tests): no flow figures",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="stderr log level (default info)",
+    )
+
+
+def _metrics_addr(text: str) -> tuple[str, int] | None:
+    if text == "off":
+        return None
+    from fsdp_sentinel.exporters.http import parse_addr
+
+    try:
+        return parse_addr(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    # The probes' own bounds: shorter polls cost CPU, longer ones blur steps.
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0.1 and 3600 s: {text!r}")
+    return value
+
+
+def _install_signals(daemon: Daemon) -> Iterable[tuple[int, Any]]:
+    def handler(signum: int, frame: object) -> None:
+        log.info("%s: stopping", signal.Signals(signum).name)
+        daemon.request_stop()
+
+    previous = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous.append((sig, signal.signal(sig, handler)))
+    return previous
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    from fsdp_sentinel.hostinfo import host_name
+
+    host = host_name()
+    try:
+        pipeline = default_pipeline(args.config)
+    except (OSError, ValueError, TypeError) as e:
+        print(f"fsdp-sentinel run: error: --config {args.config}: {e}", file=sys.stderr)
+        return 2
+    try:
+        remediator = make_remediator(args.remediate, host)
+    except NotImplementedError as e:
+        log.error("%s", e)
+        return 1
+    config = DaemonConfig(
+        socket_path=args.socket,
+        trace_out=args.trace_out,
+        verdicts_out=args.verdicts_out,
+        metrics_addr=args.metrics_addr,
+        interval=args.interval,
+    )
+    daemon = Daemon(config, pipeline=pipeline, remediator=remediator)
+    previous = _install_signals(daemon)
+    try:
+        try:
+            if not args.no_probes:
+                daemon.probes = default_probes(args.interval, host)
+            daemon.start()
+        except Exception as e:
+            if type(e).__name__ == "ProbePermissionError":
+                log.error("cannot load probes: %s (run as root, or pass --no-probes)", e)
+            else:
+                log.error("cannot start: %s", e)
+            return 1
+        log.info("ready (pid %d)", os.getpid())
+        if args.live:
+            _run_with_live_table(daemon, args.interval)
+        else:
+            daemon.run()
+    finally:
+        daemon.close()
+        for sig, old in previous:
+            signal.signal(sig, old)
+    return 0
+
+
+def _run_with_live_table(daemon: Daemon, interval: float) -> None:
+    from rich.live import Live
+
+    from fsdp_sentinel.live import render
+
+    with Live(
+        get_renderable=lambda: render(daemon.snapshot(), now=time.time()),
+        refresh_per_second=1.0 / interval,
+        redirect_stdout=True,
+        redirect_stderr=True,
+    ):
+        daemon.run()

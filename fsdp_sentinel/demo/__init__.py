@@ -1,0 +1,207 @@
+"""``fsdp-sentinel demo``: a lab cluster, the bundled trainer, a chosen fault, the daemon.
+
+Builds a namespace lab (one host per rank, 1 Gbit/s links), starts the daemon,
+trains the bundled FSDP2 model on every host with torchrun (gloo over the lab
+links), injects the scenario's fault at its onset step, shows progress, and
+ends with a summary (which rank was flagged, at which step, why, the
+evidence, step time before / during / after) plus a trace with its truth file
+and an HTML report. ``run.run_demo`` does the work; this module is the
+command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fsdp_sentinel.demo.scenarios import DEFAULT, SCENARIOS
+
+HELP = "a lab cluster, the bundled trainer, a chosen fault and the daemon, end to end"
+DESCRIPTION = (
+    "Build a network-namespace lab (one host per rank), start the daemon, train\n"
+    "the bundled FSDP2 model on every host, inject a fault, and show which rank\n"
+    "the daemon flags and why. Needs root. Ends with a summary, the trace (with\n"
+    "its .truth.json) and an HTML report under --out.\n\n"
+    "scenarios:\n" + "\n".join(f"  {s.name:15} {s.summary}" for s in SCENARIOS.values())
+)
+EPILOG = """examples:
+  fsdp-sentinel demo                          # slow-link, 4 ranks, ~2 minutes
+  fsdp-sentinel demo --scenario slow-compute --out out/slow-compute
+  fsdp-sentinel demo --scenario slow-link --fault-steps 1   # transient: not flagged
+  fsdp-sentinel demo --scenario packet-loss --remediate dry-run
+
+Exit status 0 when the run worked (whatever was found), 1 when it did not.
+"""
+
+
+def _number(kind: type, low: float, strict: bool = False) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` (int or float) at least ``low`` (above it if ``strict``)."""
+    noun = "an integer" if kind is int else "a number"
+    bound = f"> {low:g}" if strict else f">= {low:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if v < low or (strict and v == low):
+            raise argparse.ArgumentTypeError(f"must be {bound}: {text!r}")
+        return v
+
+    return parse
+
+
+_positive = _number(int, 1)
+_nonneg = _number(int, 0)
+_seconds = _number(float, 0, strict=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scenario", choices=list(SCENARIOS), default=DEFAULT, help=f"default {DEFAULT}"
+    )
+    p.add_argument("--ranks", type=_positive, default=4, help="ranks, one per lab host (default 4)")
+    p.add_argument("--steps", type=_positive, help="training steps (default: the scenario's)")
+    p.add_argument(
+        "--remediate",
+        choices=("off", "dry-run", "apply"),
+        default="off",
+        help="passed to the daemon (default off)",
+    )
+    p.add_argument("--out", type=Path, default=Path("out/demo"), metavar="DIR",
+                   help="where the trace, truth, report and logs go (default out/demo)")  # fmt: skip
+    f = p.add_argument_group("fault timing")
+    f.add_argument("--onset", type=_nonneg, metavar="STEP", help="step of the fault's onset")
+    f.add_argument(
+        "--fault-steps",
+        type=_nonneg,
+        metavar="K",
+        help="steps the fault lasts (0: to the end); below the detector's persistence it is transient",
+    )
+    f.add_argument("--victim", type=_nonneg, metavar="RANK", help="the rank that gets the fault")
+    m = p.add_argument_group("lab and job")
+    m.add_argument(
+        "--lab-name", default="fss-demo", help="lab name, starts with fss- (default fss-demo)"
+    )
+    m.add_argument(
+        "--rate-mbit", type=_seconds, default=1000.0, help="every link's rate (default 1000)"
+    )
+    m.add_argument("--layers", type=_positive, default=4, help="trainer decoder blocks (default 4)")
+    m.add_argument("--dim", type=_positive, default=256, help="trainer model width (default 256)")
+    m.add_argument(
+        "--interval", type=_seconds, default=0.5, help="daemon poll period (default 0.5 s)"
+    )
+    m.add_argument("--no-probes", action="store_true", help="run the daemon without eBPF probes")
+    m.add_argument("--timeout", type=_seconds, metavar="S", help="stop a job that runs longer")
+    m.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    m.add_argument(
+        "--capture",
+        type=Path,
+        metavar="DIR",
+        help="also copy the trace and truth to DIR/lab-<scenario>.jsonl.zst / .truth.json",
+    )
+    view = m.add_mutually_exclusive_group()
+    view.add_argument("--live", dest="live", action="store_true", default=None,
+                      help="live table and progress bar (default on a terminal)")  # fmt: skip
+    view.add_argument("--plain", dest="live", action="store_false", help="plain progress lines")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.ranks < 2:
+        return "--ranks must be >= 2 (a job of one rank has no collectives to watch)"
+    if args.victim is not None and args.victim >= args.ranks:
+        return f"--victim {args.victim} is not a rank of {args.ranks}"
+    if args.scenario == "rank-kill" and args.victim == 0:
+        return "--victim 0 cannot be killed: its host serves the job's rendezvous store"
+    if not args.lab_name.startswith("fss-"):
+        return "--lab-name must start with fss-"
+    return None
+
+
+USAGE = (
+    "usage: fsdp-sentinel demo [--scenario NAME] [--ranks N] [--steps N] [--remediate MODE]"
+    " [--out DIR] ... (see --help)"
+)
+
+
+def _usage_error(problem: str) -> None:
+    """The argparse way: a usage line, then the error (exit status 2 by the caller)."""
+    print(f"{USAGE}\nfsdp-sentinel demo: error: {problem}", file=sys.stderr)
+
+
+_MAIN_PID = os.getpid()
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    # Only the demo itself unwinds on SIGTERM: a forked helper (pyroute2
+    # forks to enter namespaces) inherits this handler and must just die.
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    problem = _check(args)
+    if problem:
+        _usage_error(problem)
+        return 2
+    from fsdp_sentinel.demo.run import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        scenario=args.scenario,
+        ranks=args.ranks,
+        steps=args.steps,
+        onset=args.onset,
+        fault_steps=args.fault_steps,
+        victim=args.victim,
+        remediate=args.remediate,
+        out=args.out,
+        lab_name=args.lab_name,
+        rate_mbit=args.rate_mbit,
+        layers=args.layers,
+        dim=args.dim,
+        interval=args.interval,
+        probes=not args.no_probes,
+        timeout=args.timeout,
+        report=not args.no_report,
+        live=args.live,
+    )
+    if cfg.onset_step() >= cfg.total_steps() and cfg.plan.what is not None:
+        _usage_error(
+            f"onset step {cfg.onset_step()} is not before the last step ({cfg.total_steps()} steps)"
+        )
+        return 2
+    global _MAIN_PID
+    _MAIN_PID = os.getpid()
+    if os.geteuid() != 0:
+        print(
+            "fsdp-sentinel demo: error: needs root (it builds network namespaces, shapes "
+            "links with tc and loads eBPF probes)",
+            file=sys.stderr,
+        )
+        return 1
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        result = run_demo(cfg)
+    except KeyboardInterrupt:
+        print("fsdp-sentinel demo: interrupted; lab, job and daemon removed", file=sys.stderr)
+        return 130
+    except Exception as e:  # a lab or daemon that could not start: say what, exit 1
+        print(f"fsdp-sentinel demo: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print()
+    for line in result.summary:
+        print(line)
+    if args.capture and result.worked:
+        from fsdp_sentinel.demo.capture import capture
+
+        for path in capture(result.trace, result.truth_path, args.capture, cfg.scenario):
+            print(f"captured  {path}")
+    return 0 if result.worked else 1

@@ -1,0 +1,206 @@
+"""What a demo run found, against what was injected: the truth file and the summary (pure).
+
+Everything here reads a :class:`~fsdp_sentinel.report.model.ReportData` (the
+same summary of the trace the HTML report draws), so the terminal summary and
+the report agree. The truth file (``<trace>.truth.json``: ``trace.jsonl.zst`` -> ``trace.truth.json``) is made from the
+trace's own ``fault`` records; its ``stragglers`` list uses the format of
+``fsdp_sentinel.synth.truth_of`` (rank, cause, onset_step, end_step
+inclusive), which the detection golden tests read.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_sentinel.demo.scenarios import CAUSE_OF
+from fsdp_sentinel.report.model import ReportData
+
+Record = dict[str, Any]
+
+
+def fault_steps(data: ReportData, fault: Record) -> tuple[int | None, int | None]:
+    """The steps a fault covered, from the trace's step records: the newest step
+    any rank had started at its onset, and the newest started before its end
+    (inclusive; the last step of the trace when it never ended)."""
+    t = float(fault["t"])
+    started = [s.step for s in data.steps if s.start <= t]
+    onset = max(started) if started else fault.get("step")
+    end_t = data.fault_end(fault)
+    before_end = [s.step for s in data.steps if s.start < end_t]
+    end = max(before_end) if before_end else fault.get("end_step")
+    return onset, end
+
+
+def truth(
+    data: ReportData,
+    *,
+    scenario: str,
+    world_size: int,
+    steps: int,
+    transient: bool = False,
+    source: str = "lab capture (fsdp-sentinel demo)",
+) -> dict[str, Any]:
+    """The ``.truth.json`` of a run: its faults, and the verdicts a correct
+    detector gives (none for a clean run or a fault too short to persist)."""
+    expect = []
+    for f in data.faults:
+        cause = CAUSE_OF.get(str(f["what"]))
+        if cause is None or transient:
+            continue
+        onset, end = fault_steps(data, f)
+        expect.append(
+            {
+                "rank": f["rank"],
+                "cause": cause,
+                "onset_step": onset,
+                "end_step": end,
+                "what": f["what"],
+            }
+        )
+    return {
+        "scenario": scenario,
+        "source": source,
+        "world_size": world_size,
+        "steps": steps,
+        "transient": transient,
+        "faults": [{k: v for k, v in f.items() if k != "kind"} for f in data.faults],
+        "stragglers": expect,
+    }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``hits``: flags of an expected rank with the expected cause within its
+    span; ``false_alarms``: every other flag (the right rank with the wrong
+    cause too); ``missed``: expectations no flag met. ``correct``: nothing
+    missed and no false alarm (expecting nothing: no flag at all)."""
+
+    hits: list[Record]
+    false_alarms: list[Record]
+    missed: list[dict[str, Any]]
+
+    @property
+    def correct(self) -> bool:
+        return not self.missed and not self.false_alarms
+
+
+def judge(data: ReportData, expect: list[dict[str, Any]]) -> Outcome:
+    """The detection tests' own judgement (:func:`fsdp_sentinel.truth.judge`:
+    a flag counts from the onset to 3 steps past the end), split by cause."""
+    from fsdp_sentinel.truth import judge as judge_truth
+
+    j = judge_truth(data.verdicts, {"stragglers": expect})
+    hits = [v for e, v in j.found if v["cause"] == e["cause"]]
+    wrong = [(e, v) for e, v in j.found if v["cause"] != e["cause"]]
+    return Outcome(hits, [*(v for _, v in wrong), *j.false], [*(e for e, _ in wrong), *j.missed])
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def _evidence(ev: Any, lines: int = 3) -> list[str]:
+    """``k=v`` pairs (None left out, floats to 3 digits), wrapped to fit 80
+    columns after the 10-column label, at most ``lines`` lines."""
+    if isinstance(ev, dict):
+        parts = []
+        for k, v in ev.items():
+            if v is None:
+                continue
+            if isinstance(v, float):
+                v = f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+            elif isinstance(v, (list, dict)) and len(str(v)) > 40:
+                v = "[...]"
+            parts.append(f"{k}={v}")
+        text = ", ".join(parts)
+    else:
+        text = str(ev)
+    out = textwrap.wrap(text, 68) or [""]
+    if len(out) > lines:
+        out = out[:lines]
+        out[-1] = out[-1][:64] + " ..."
+    return out
+
+
+def _labelled(label: str, rows: list[str]) -> list[str]:
+    return [f"{label if i == 0 else '':10}{row}" for i, row in enumerate(rows)]
+
+
+def summary_lines(
+    data: ReportData,
+    truth_doc: dict[str, Any],
+    *,
+    scenario: str,
+    elapsed: float,
+    trace: str,
+    truth_file: str,
+    report: str | None,
+    problems: list[str],
+) -> list[str]:
+    """The end-of-run summary, one string per line, under 80 columns."""
+    expect = truth_doc["stragglers"]
+    out = judge(data, expect)
+    steps = data.step_range()
+    lines = [
+        f"scenario  {scenario}: {data.world_size or 0} ranks, "
+        f"{f'steps {steps[0]}-{steps[1]}' if steps else 'no steps'}, {elapsed:.0f} s",
+    ]
+    for f in data.faults:
+        onset, end = fault_steps(data, f)
+        if f["what"] == "rank_kill" or f.get("end") is None:
+            span = f"at step {onset}"
+        else:
+            span = f"steps {onset}-{end}"
+        lines.append(f"fault     {f['what']} on {f['host']} (rank {f['rank']}), {span}")
+        if f.get("params"):
+            lines += _labelled("", _evidence(f["params"], lines=1))
+    if not data.faults:
+        lines.append("fault     none injected")
+    if not any(v.get("state") == "flagged" for v in data.verdicts):
+        lines.append("flagged   no rank")
+    for v in data.verdicts:
+        if v.get("state") == "flagged":
+            lines.append(
+                f"flagged   rank {v['rank']} at step {v['step']}: cause {v['cause']}, "
+                f"score {float(v['score']):.2f}"
+            )
+            if v.get("evidence"):
+                lines += _labelled("evidence", _evidence(v["evidence"]))
+        elif v.get("state") == "cleared":
+            lines.append(f"cleared   rank {v['rank']} at step {v['step']}")
+    want = ", ".join(f"rank {e['rank']} {e['cause']}" for e in expect) or "nothing flagged"
+    if out.correct and out.hits:
+        onset = expect[0]["onset_step"]
+        lag = int(out.hits[0]["step"]) - int(onset) if onset is not None else None
+        verdict = f"correct: {want}" + (f", {_steps(lag)} after onset" if lag is not None else "")
+    elif out.correct:
+        verdict = f"correct: {want}"
+    elif out.missed:
+        verdict = f"MISSED: expected {want}"
+    else:
+        verdict = f"found {want}" if out.hits else f"expected {want}"
+    if out.false_alarms:
+        alarms = ", ".join(f"rank {v['rank']} {v['cause']} @{v['step']}" for v in out.false_alarms)
+        verdict += f"; false alarms: {alarms}"
+    lines.append(f"verdict   {verdict}")
+    ph = data.phases()
+    if data.faults:
+        lines.append(
+            f"step time before {_secs(ph.before)}, during {_secs(ph.during)}, after {_secs(ph.after)}"
+            " (median, all ranks)"
+        )
+    else:
+        lines.append(f"step time {_secs(ph.before)} (median, all ranks)")
+    lines.append(f"trace     {trace}")
+    lines.append(f"truth     {truth_file}")
+    if report:
+        lines.append(f"report    {report}")
+    for p in problems:
+        lines.append(f"problem   {p}")
+    return lines

@@ -1,0 +1,349 @@
+"""One demo run, start to end: lab, daemon, job, fault, then truth, report and summary.
+
+:func:`run_demo` builds the lab, starts the daemon (``daemon_proc``), launches
+the bundled trainer on every host (``lab.cluster.launch_torchrun``, one rank
+per host, gloo over the lab links), follows the job's progress through the
+daemon's snapshot, injects the scenario's fault when the job reaches its
+onset step (and clears it after its duration), and sends each ``fault``
+record to the daemon through an :class:`~fsdp_sentinel.emit.Emitter`, so the
+trace carries its own ground truth. Every resource sits in one ``ExitStack``:
+an exception or Ctrl-C unwinds it in reverse order (job, fault, daemon, lab).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_sentinel.demo.daemon_proc import DaemonProcess, log_tail
+from fsdp_sentinel.demo.progress import Progress
+from fsdp_sentinel.demo.scenarios import SCENARIOS, is_transient
+from fsdp_sentinel.snapshot import Snapshot
+from fsdp_sentinel.truth import truth_path
+
+#: Rendezvous port inside host 0's namespace (a lab has its own ports).
+MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    scenario: str = "slow-link"
+    ranks: int = 4
+    steps: int | None = None  # None: the scenario's
+    onset: int | None = None
+    fault_steps: int | None = None  # None: the scenario's; 0: to the end
+    victim: int | None = None
+    remediate: str = "off"
+    out: Path = Path("out/demo")
+    lab_name: str = "fss-demo"
+    rate_mbit: float = 1000.0
+    layers: int = 4
+    dim: int = 256
+    # Few tokens per step keep compute small next to the ~29 MB each rank
+    # moves per step: the network, not the shared CPU, sets the step time.
+    batch: int = 2
+    seq_len: int = 32
+    interval: float = 0.5
+    probes: bool = True
+    timeout: float | None = None
+    report: bool = True
+    live: bool | None = None  # None: when stdout is a terminal
+
+    @property
+    def plan(self) -> Any:
+        return SCENARIOS[self.scenario]
+
+    def total_steps(self) -> int:
+        return self.steps or self.plan.steps
+
+    def onset_step(self) -> int:
+        return self.plan.onset if self.onset is None else self.onset
+
+    def duration(self) -> int | None:
+        """Steps the fault lasts (None: to the end)."""
+        if self.fault_steps is not None:
+            return self.fault_steps or None
+        return self.plan.duration  # type: ignore[no-any-return]
+
+    def victim_rank(self) -> int:
+        from fsdp_sentinel.demo.scenarios import victim_rank
+
+        return victim_rank(self.ranks) if self.victim is None else self.victim
+
+
+@dataclass
+class DemoResult:
+    trace: Path
+    truth_path: Path
+    report: Path | None
+    elapsed: float
+    truth: dict[str, Any] = field(default_factory=dict)
+    summary: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    worked: bool = False
+    correct: bool = False
+
+
+def _stop_job(procs: list[subprocess.Popen[Any]], grace: float = 5.0) -> None:
+    """SIGTERM each torchrun agent's session (its workers too), then SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _current_step(snap: Snapshot | None) -> int:
+    """The step the fastest rank is in (0 before any step completed)."""
+    if snap is None:
+        return 0
+    steps = [r.step for r in snap.ranks if r.step is not None]
+    return max(steps) + 1 if steps else 0
+
+
+def trainer_args(cfg: DemoConfig, socket_path: Path) -> list[str]:
+    return [
+        "--steps", str(cfg.total_steps()),
+        "--layers", str(cfg.layers),
+        "--dim", str(cfg.dim),
+        "--batch", str(cfg.batch),
+        "--seq-len", str(cfg.seq_len),
+        "--threads", "1",
+        "--log-every", "0",
+        "--socket", str(socket_path),
+    ]  # fmt: skip
+
+
+class _FaultDriver:
+    """Injects the scenario's fault at its onset and clears it after its duration."""
+
+    def __init__(self, cfg: DemoConfig, lab: Any, emitter: Any, progress: Progress) -> None:
+        self.cfg = cfg
+        self.lab = lab
+        self.emitter = emitter
+        self.progress = progress
+        make = cfg.plan.make
+        self.fault = make(cfg.victim_rank()) if make is not None else None
+        self.onset = cfg.onset_step()
+        self.duration = cfg.duration()
+        self.injected_at: float | None = None
+        self.active = False
+        self.records: list[dict[str, Any]] = []
+
+    @property
+    def killed(self) -> bool:
+        """Whether this run killed a rank (its job is expected to fail)."""
+        return self.injected_at is not None and getattr(self.fault, "what", "") == "rank_kill"
+
+    def _send(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        self.emitter.emit(rec)
+
+    def on_step(self, step: int) -> None:
+        if self.fault is None:
+            return
+        if self.injected_at is None and step >= self.onset:
+            rec = self.lab.inject(self.fault, step=step)
+            self.injected_at = time.monotonic()
+            self.active = True
+            self._send(rec)
+            self.progress.event(
+                f"injected {rec['what']} on {rec['host']} (rank {rec['rank']}) at step {step}"
+            )
+            self.progress.note(f"{rec['what']} on rank {rec['rank']}")
+        elif self.active and self.duration is not None and step >= self.onset + self.duration:
+            self.clear(step)
+
+    def clear(self, step: int | None) -> None:
+        if not self.active or self.fault is None:
+            return
+        self.active = False
+        rec = self.lab.clear(self.fault, step=step)
+        self._send(rec)
+        where = f" at step {step}" if step is not None else ""
+        self.progress.event(f"cleared {rec['what']} on {rec['host']}{where}")
+        self.progress.note("fault cleared")
+
+
+def _follow(
+    cfg: DemoConfig,
+    daemon: DaemonProcess,
+    procs: list[subprocess.Popen[Any]],
+    driver: _FaultDriver,
+    progress: Progress,
+    problems: list[str],
+) -> None:
+    """Until the job ends (or must be ended): progress, fault timing, events."""
+    total = cfg.total_steps()
+    timeout = cfg.timeout or 90.0 + 8.0 * total
+    deadline = time.monotonic() + timeout
+    flagged: dict[int, str] = {}
+    step = 0
+    while True:
+        snap = daemon.snapshot()
+        if snap is not None:
+            progress.update(snap)
+            step = max(step, _current_step(snap))
+            for r in snap.ranks:
+                state = f"{r.state}:{r.cause}" if r.state != "ok" else "ok"
+                if flagged.get(r.rank, "ok") != state:
+                    if state != "ok":
+                        progress.event(
+                            f"rank {r.rank} {r.state} (cause {r.cause}) at step {r.step}"
+                        )
+                    elif r.rank in flagged:
+                        progress.event(f"rank {r.rank} cleared at step {r.step}")
+                    flagged[r.rank] = state
+        driver.on_step(step)
+        if all(p.poll() is not None for p in procs):
+            return
+        if not daemon.alive():
+            problems.append(f"the daemon died; {daemon.log_path}:\n{log_tail(daemon.log_path)}")
+            return
+        # After a kill the survivors fail on their next collective with the
+        # dead rank; give detection and torchrun time, then end what is left.
+        if driver.killed and time.monotonic() - (driver.injected_at or 0.0) > 30.0:
+            return
+        if time.monotonic() > deadline:
+            problems.append(f"the job had not finished after {timeout:.0f} s; stopped it")
+            return
+        time.sleep(0.5)
+
+
+def _linger(daemon: DaemonProcess, seconds: float, progress: Progress) -> None:
+    """Keep the daemon running a little after the job, for its last polls and verdicts."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and daemon.alive():
+        snap = daemon.snapshot()
+        if snap is not None:
+            progress.update(snap)
+        time.sleep(0.5)
+
+
+def run_demo(cfg: DemoConfig) -> DemoResult:
+    from fsdp_sentinel.emit import Emitter
+    from fsdp_sentinel.lab import Lab, LabConfig
+    from fsdp_sentinel.lab.cluster import launch_torchrun
+
+    out = cfg.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.jsonl.zst"
+    result = DemoResult(trace, truth_path(trace), None, 0.0)
+    for stale in (trace, result.truth_path, out / "report.html", out / "ingest.sock"):
+        stale.unlink(missing_ok=True)
+    shutil.rmtree(out / "logs", ignore_errors=True)
+    sock = out / "ingest.sock"
+    start = time.monotonic()
+    procs: list[subprocess.Popen[Any]] = []
+    with contextlib.ExitStack() as stack:
+        progress = stack.enter_context(Progress(cfg.total_steps(), live=cfg.live))
+        progress.event(
+            f"building lab {cfg.lab_name}: {cfg.ranks} hosts, {cfg.rate_mbit:g} Mbit/s links"
+        )
+        lab = stack.enter_context(
+            Lab(LabConfig(name=cfg.lab_name, hosts=cfg.ranks, rate_mbit=cfg.rate_mbit))
+        )
+        progress.event("starting the daemon (compiling probes)")
+        daemon = stack.enter_context(
+            DaemonProcess(
+                socket_path=sock,
+                trace_out=trace,
+                log_path=out / "daemon.log",
+                remediate=cfg.remediate,
+                interval=cfg.interval,
+                probes=cfg.probes,
+            )
+        )
+        daemon.wait_ready()
+        emitter = Emitter(socket_path=str(sock))
+        stack.callback(emitter.close)
+        driver = _FaultDriver(cfg, lab, emitter, progress)
+        # Clear a fault still in force before the daemon stops, so its record
+        # in the trace carries an end (callbacks run in reverse order).
+        stack.callback(driver.clear, None)
+        progress.event(f"launching the trainer: {cfg.total_steps()} steps on {cfg.ranks} ranks")
+        procs = launch_torchrun(
+            lab,
+            trainer_args(cfg, sock),
+            master_port=MASTER_PORT,
+            log_dir=out / "logs",
+        )
+        stack.callback(_stop_job, procs)
+        progress.note("training")
+        _follow(cfg, daemon, procs, driver, progress, result.problems)
+        _stop_job(procs)
+        killed = driver.killed
+        for h, p in zip(lab.hosts, procs, strict=True):
+            if p.returncode not in (0, None) and not killed:
+                result.problems.append(
+                    f"trainer on {h.name} exited with status {p.returncode}; "
+                    f"{out / 'logs' / (h.name + '.log')}:\n{log_tail(out / 'logs' / (h.name + '.log'), 8)}"
+                )
+        driver.clear(None)
+        _linger(daemon, 2.0 + 2 * cfg.interval, progress)
+        progress.note("stopping")
+        rc = daemon.stop()
+        if rc not in (0, None):
+            result.problems.append(f"the daemon exited with status {rc}; see {daemon.log_path}")
+        if driver.fault is not None and driver.injected_at is None:
+            result.problems.append(f"the job ended before the fault's onset step {driver.onset}")
+    result.elapsed = time.monotonic() - start
+    _finish(cfg, result)
+    return result
+
+
+def _finish(cfg: DemoConfig, result: DemoResult) -> None:
+    """Truth file, report and summary from the trace the daemon wrote."""
+    from fsdp_sentinel.demo.outcome import judge, summary_lines, truth
+    from fsdp_sentinel.detect import DetectConfig
+    from fsdp_sentinel.report import load, write_report
+
+    if not result.trace.exists():
+        result.problems.append(f"no trace was written at {result.trace}")
+        result.summary = [f"problem   {p}" for p in result.problems]
+        return
+    data = load([result.trace], strict=False)
+    dc = DetectConfig()
+    transient = cfg.plan.what is not None and is_transient(cfg.duration(), dc.window, dc.flag_after)
+    result.truth = truth(
+        data,
+        scenario=cfg.scenario,
+        world_size=cfg.ranks,
+        steps=cfg.total_steps(),
+        transient=transient,
+    )
+    if cfg.plan.what is not None and not data.faults:
+        result.problems.append("the trace holds no fault record (the fault was not injected)")
+    result.truth_path.write_text(json.dumps(result.truth, indent=2) + "\n")
+    if cfg.report:
+        result.report = result.trace.parent / "report.html"
+        write_report(
+            [result.trace], result.report, title=f"fsdp-sentinel demo: {cfg.scenario}", strict=False
+        )
+    result.correct = judge(data, result.truth["stragglers"]).correct
+    result.worked = not result.problems and bool(data.steps)
+    result.summary = summary_lines(
+        data,
+        result.truth,
+        scenario=cfg.scenario,
+        elapsed=result.elapsed,
+        trace=str(result.trace),
+        truth_file=str(result.truth_path),
+        report=str(result.report) if result.report else None,
+        problems=result.problems,
+    )

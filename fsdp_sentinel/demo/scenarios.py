@@ -1,0 +1,150 @@
+"""The demo's scenarios as data: which fault, on which rank, from which step, for how long.
+
+Pure (the lab's fault classes are imported only when a fault is built), so
+the table, its defaults and the expected verdicts are checked without root.
+
+Sizes follow what was measured on a 2-core machine (docs/demo.md): every
+host's link shaped to 1 Gbit/s and a model of ~3.5 M parameters make a 4-rank
+step ~0.4 s, with the network as the bottleneck; one host cut to 150 Mbit/s
+makes every step ~2.4 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: The lab's fault ``what`` -> the cause a correct detector reports.
+CAUSE_OF = {
+    "slow_link": "network",
+    "noisy_neighbor": "network",
+    "packet_loss": "network",
+    "slow_compute": "compute",
+    "compute_stall": "compute",
+    "rank_kill": "rank_lost",
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One demo scenario.
+
+    ``onset``: the step during which the fault is injected; ``duration``:
+    steps it lasts (None: to the end of the run); ``steps``: default run
+    length. ``make(victim)`` builds the lab fault (None for a clean run).
+    """
+
+    name: str
+    summary: str
+    what: str | None
+    make: Callable[[int], Any] | None
+    onset: int = 8
+    duration: int | None = 10
+    steps: int = 24
+
+    @property
+    def cause(self) -> str | None:
+        return CAUSE_OF.get(self.what or "")
+
+
+def _slow_link(victim: int) -> Any:
+    from fsdp_sentinel.lab import SlowLink
+
+    return SlowLink(victim, rate_mbit=150.0)
+
+
+def _noisy_neighbor(victim: int) -> Any:
+    from fsdp_sentinel.lab import NoisyNeighbor
+
+    # An upload from the host (a checkpoint going to storage) that fills its link.
+    return NoisyNeighbor(victim, direction="out", streams=4)
+
+
+def _slow_compute(victim: int) -> Any:
+    from fsdp_sentinel.lab import SlowCompute
+
+    return SlowCompute(victim, cpu_fraction=0.1)
+
+
+def _packet_loss(victim: int) -> Any:
+    from fsdp_sentinel.lab import PacketLoss
+
+    return PacketLoss(victim, p=0.2)
+
+
+def _rank_kill(victim: int) -> Any:
+    from fsdp_sentinel.lab import KillRank
+
+    return KillRank(victim)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            "clean", "no fault: nothing should be flagged", None, None, duration=None, steps=20
+        ),
+        Scenario(
+            "slow-link", "one host's link cut from 1 Gbit/s to 150 Mbit/s", "slow_link", _slow_link
+        ),
+        Scenario(
+            "noisy-neighbor",
+            "bulk TCP from one host to a storage host shares its link",
+            "noisy_neighbor",
+            _noisy_neighbor,
+        ),
+        Scenario(
+            "slow-compute", "one host's ranks get 10% of a core", "slow_compute", _slow_compute
+        ),
+        Scenario(
+            "packet-loss", "one host's link drops 20% of its packets", "packet_loss", _packet_loss
+        ),
+        Scenario(
+            "rank-kill", "one rank is killed (SIGKILL)", "rank_kill", _rank_kill, duration=None
+        ),
+    )
+}
+
+DEFAULT = "slow-link"
+
+
+def victim_rank(ranks: int) -> int:
+    """The rank that gets the fault: not rank 0 (its host serves the rendezvous
+    store, so killing it ends the job for everyone at once), else the middle."""
+    if ranks < 2:
+        return 0
+    return min(2, ranks - 1)
+
+
+def min_persistent_steps(window: int, flag_after: int) -> int:
+    """Fewest bad steps in a row that can get a rank flagged: the rolling
+    median of ``window`` steps turns bad once more than half of them are, and
+    must then stay bad for ``flag_after`` windows."""
+    return window // 2 + flag_after
+
+
+def is_transient(duration: int | None, window: int, flag_after: int) -> bool:
+    """Whether a fault of ``duration`` steps is too short to be flagged."""
+    return duration is not None and duration < min_persistent_steps(window, flag_after)
+
+
+#: Short runs of every scenario (and a transient slow link), for the
+#: end-to-end tests and the golden-trace captures: name -> demo flags.
+QUICK_RUNS: dict[str, list[str]] = {
+    "clean": ["--scenario", "clean", "--steps", "10"],
+    "slow-link": ["--scenario", "slow-link", "--steps", "15", "--onset", "6", "--fault-steps", "6"],
+    "slow-link-transient": [
+        "--scenario", "slow-link", "--steps", "10", "--onset", "6", "--fault-steps", "1",
+    ],
+    "noisy-neighbor": [
+        "--scenario", "noisy-neighbor", "--steps", "15", "--onset", "6", "--fault-steps", "6",
+    ],
+    "slow-compute": [
+        "--scenario", "slow-compute", "--steps", "15", "--onset", "6", "--fault-steps", "6",
+    ],
+    "packet-loss": [
+        "--scenario", "packet-loss", "--steps", "15", "--onset", "6", "--fault-steps", "6",
+    ],
+    "rank-kill": ["--scenario", "rank-kill", "--steps", "10", "--onset", "6"],
+}  # fmt: skip

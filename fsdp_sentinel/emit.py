@@ -1,0 +1,172 @@
+"""Fire-and-forget sender of trace records from a training process.
+
+:meth:`Emitter.emit` only appends the record to an in-memory queue (a deque
+append, well under a microsecond) and returns; it never blocks and never
+raises into training. A background thread wakes every ``flush_interval``
+seconds and drains the queue: each record goes as one JSON datagram on a
+non-blocking AF_UNIX SOCK_DGRAM socket to the daemon's ingest socket, and,
+with ``trace_out``, into a trace file. Sending off the training thread matters:
+a datagram that wakes a sleeping receiver costs tens of microseconds in the
+sender's ``sendto`` on a small machine, and the file's periodic fsync more.
+
+When the daemon is absent (``ENOENT``, ``ECONNREFUSED``), slow (``EAGAIN``,
+``ENOBUFS``: its receive queue is full) or gone, the record is dropped and
+counted in ``dropped``; training never waits. After the daemon is found
+absent the emitter stops trying for ``retry_interval`` seconds (dropping and
+counting meanwhile), then tries again, so it picks up a daemon that starts
+later. If the queue itself grows past ``max_pending`` records (the thread
+starved), new records are dropped and counted.
+
+Datagrams are capped at :data:`MAX_DATAGRAM` bytes (far below Linux's AF_UNIX
+datagram limit, the socket send buffer, ~208 KiB by default); a ``coll``
+record is ~200 bytes. A bigger record is dropped and counted in ``oversize``.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_sentinel.trace import TraceWriter
+
+DEFAULT_SOCKET = "/run/fsdp-sentinel/ingest.sock"
+
+#: Largest datagram the emitter sends (bytes); bigger records are dropped.
+MAX_DATAGRAM = 65_000
+
+# errnos meaning "nobody is listening at that path": back off before retrying.
+_ABSENT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES})
+
+
+class Emitter:
+    """Sends records to the daemon (and optionally a trace file); never blocks.
+
+    Counters (final after :meth:`flush` or :meth:`close`): ``sent`` (datagrams
+    the kernel accepted), ``dropped`` (records not delivered to the daemon,
+    for any reason), ``oversize`` (the part of ``dropped`` that was too big),
+    ``written`` (records written to the trace file), ``write_errors`` (records
+    the trace file refused). A record passed to :meth:`emit` must not be
+    mutated afterwards.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None = DEFAULT_SOCKET,
+        trace_out: str | None = None,
+        *,
+        flush_interval: float = 0.02,
+        retry_interval: float = 1.0,
+        max_pending: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.socket_path = socket_path
+        self.flush_interval = flush_interval
+        self.retry_interval = retry_interval
+        self.max_pending = max_pending
+        self._clock = clock
+        self.sent = 0
+        self._dropped_send = 0  # written by the draining thread only
+        self._dropped_full = 0  # written by emit() only
+        self.oversize = 0
+        self.written = 0
+        self.write_errors = 0
+        self._retry_at = 0.0
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._drain_lock = threading.Lock()  # one drainer at a time, in order
+        self._sock: socket.socket | None = None
+        if socket_path:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+        self._writer = TraceWriter(trace_out) if trace_out else None
+        self.closed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fsdp-sentinel-emit", daemon=True)
+        self._thread.start()
+
+    def emit(self, rec: dict[str, Any]) -> None:
+        """Queue ``rec`` for sending; returns at once."""
+        if self.closed:
+            return
+        if len(self._pending) >= self.max_pending:
+            self._dropped_full += 1
+            return
+        self._pending.append(rec)
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped_send + self._dropped_full
+
+    def flush(self) -> None:
+        """Send (or drop) everything queued so far, on the calling thread."""
+        with self._drain_lock:
+            pending = self._pending
+            while pending:
+                rec = pending.popleft()
+                if self._writer is not None:
+                    self._write(rec)
+                if self._sock is not None:
+                    self._send(rec)
+
+    def close(self) -> None:
+        """Stop the thread, flush what is queued, close the file and socket. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        self._thread.join()
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+        if self._sock is not None:
+            self._sock.close()
+
+    def __enter__(self) -> Emitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the sender thread must outlive any record
+                self._dropped_send += 1
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        try:
+            assert self._writer is not None
+            self._writer.write(rec)
+            self.written += 1
+        except (OSError, TypeError, ValueError):
+            self.write_errors += 1  # a trace-file problem must not stop the sender
+
+    def _send(self, rec: dict[str, Any]) -> None:
+        if self._retry_at and self._clock() < self._retry_at:
+            self._dropped_send += 1
+            return
+        try:
+            data = json.dumps(rec, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError):
+            self._dropped_send += 1
+            return
+        if len(data) > MAX_DATAGRAM:
+            self._dropped_send += 1
+            self.oversize += 1
+            return
+        try:
+            self._sock.sendto(data, self.socket_path)  # type: ignore[union-attr,arg-type]
+        except OSError as e:
+            if e.errno in _ABSENT:
+                self._retry_at = self._clock() + self.retry_interval
+            self._dropped_send += 1
+            return
+        self._retry_at = 0.0
+        self.sent += 1

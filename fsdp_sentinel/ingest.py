@@ -1,0 +1,284 @@
+"""The daemon's ingest socket: trace-v1 records from the ranks, one per datagram.
+
+An :class:`IngestServer` binds an AF_UNIX SOCK_DGRAM socket at a path (its
+directory made 0750 when the server creates it, the socket 0660) and runs one
+receive thread that parses each datagram as one JSON record, validates it with
+:func:`fsdp_sentinel.trace.validate` and hands it to ``on_record``. A
+malformed datagram is dropped and counted by reason; the thread carries on.
+
+A path socket lives in the file system, not in a network namespace, so ranks
+in other network namespaces of the same machine reach it through the path.
+The receive buffer (``SO_RCVBUF``) and the datagram queue length (Linux's
+``net.unix.max_dgram_qlen``, 10 by default) are enlarged so a burst from
+several ranks waits in the kernel instead of being refused to the senders,
+whose emitters drop (and count) what the kernel will not queue.
+
+This module sits just above ``trace``; it knows nothing of pipelines or probes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import select
+import socket
+import stat
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fsdp_sentinel.trace import validate
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "/run/fsdp-sentinel/ingest.sock"
+
+#: Largest datagram accepted; a bigger one is truncated by the kernel and dropped.
+MAX_DATAGRAM = 65_536
+
+#: Requested receive buffer (the kernel doubles it and caps it at rmem_max,
+#: unless we are root and SO_RCVBUFFORCE works).
+DEFAULT_RCVBUF = 8 * 1024 * 1024
+
+#: Datagrams the socket may hold unread. Linux caps an AF_UNIX datagram
+#: socket's queue at ``net.unix.max_dgram_qlen`` (10 by default) whatever its
+#: buffer size, read once when the socket is created; so the server raises the
+#: sysctl for the instant of creation (when it may) and puts it back.
+DEFAULT_BACKLOG = 4096
+QLEN_SYSCTL = "/proc/sys/net/unix/max_dgram_qlen"
+
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux value; Python lacks the name
+
+#: Kinds only the daemon itself writes; a rank sending one would corrupt the
+#: trace's "replay gives the same verdicts" property, so they are refused.
+RESERVED_KINDS = frozenset({"header", "verdict", "action"})
+
+# Drop reasons (keys of IngestServer.dropped).
+BAD_JSON = "invalid_json"
+NOT_OBJECT = "not_object"
+NO_KIND = "no_kind"
+MISSING_FIELD = "missing_field"
+TOO_LARGE = "too_large"
+RESERVED = "reserved_kind"
+REFUSED = "refused"  # on_record returned False (e.g. the daemon's queue is full)
+
+#: Reasons that mean the datagram itself was malformed (vs. refused downstream).
+MALFORMED_REASONS = frozenset({BAD_JSON, NOT_OBJECT, NO_KIND, MISSING_FIELD, TOO_LARGE})
+ALL_REASONS = (*sorted(MALFORMED_REASONS), RESERVED, REFUSED)
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN/Infinity are not JSON, and the trace writer refuses them later.
+    raise ValueError(f"non-finite number {name}")
+
+
+def parse_datagram(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """One datagram -> (record, None) or (None, drop reason)."""
+    try:
+        rec = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError):
+        return None, BAD_JSON
+    why = validate(rec)
+    if why is None:
+        if rec["kind"] in RESERVED_KINDS:
+            return None, RESERVED
+        return rec, None
+    if not isinstance(rec, dict):
+        return None, NOT_OBJECT
+    if not isinstance(rec.get("kind"), str):
+        return None, NO_KIND
+    return None, MISSING_FIELD
+
+
+def _prepare_path(path: Path) -> None:
+    """Create the socket's directory (0750) and clear a stale socket file.
+
+    An existing directory keeps its mode (it may be /tmp or shared). A path
+    that is a live socket (someone answers) or not a socket at all is an error:
+    we never steal another daemon's socket or delete a regular file.
+    """
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o750, parents=True)
+        os.chmod(parent, 0o750)  # mkdir's mode is filtered by the umask
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "exists and is not a socket", str(path))
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        log.info("replacing stale socket %s", path)
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise FileExistsError(errno.EADDRINUSE, "another process is listening on", str(path))
+
+
+@contextlib.contextmanager
+def _dgram_qlen_at_least(want: int, sysctl: str) -> Iterator[int]:
+    """Raise ``net.unix.max_dgram_qlen`` to ``want`` inside the block (if we
+    may), restoring it after; yields the queue length sockets created inside get."""
+    try:
+        with open(sysctl) as fh:
+            old = int(fh.read().strip())
+    except (OSError, ValueError):
+        yield want  # unknown: not Linux, or no /proc; nothing to do
+        return
+    if old >= want:
+        yield old
+        return
+    try:
+        with open(sysctl, "w") as fh:
+            fh.write(str(want))
+    except OSError as e:
+        log.warning(
+            "cannot raise %s to %d (%s): the socket queues only %d datagrams", sysctl, want, e, old
+        )
+        yield old
+        return
+    try:
+        yield want
+    finally:
+        with open(sysctl, "w") as fh:
+            fh.write(str(old))
+
+
+class IngestServer:
+    """Receives records on an AF_UNIX datagram socket and passes them on.
+
+    ``on_record(rec)`` is called on the receive thread for every valid record,
+    in arrival order; it must be quick (the daemon puts the record on a queue).
+    Returning ``False`` refuses the record (counted as ``refused``).
+
+    Counters (read from any thread; single writer): ``received`` datagrams,
+    ``accepted`` records, ``dropped`` by reason (every reason, zeros too),
+    ``malformed_total`` and
+    ``dropped_total``. ``rcvbuf`` is the receive buffer the kernel granted,
+    ``backlog`` the datagram queue length (see :data:`DEFAULT_BACKLOG`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_record: Callable[[dict[str, Any]], bool | None],
+        *,
+        rcvbuf: int = DEFAULT_RCVBUF,
+        backlog: int = DEFAULT_BACKLOG,
+        socket_mode: int = 0o660,
+        qlen_sysctl: str = QLEN_SYSCTL,
+    ) -> None:
+        self.path = Path(path)
+        self._on_record = on_record
+        self.received = 0
+        self.accepted = 0
+        # Every reason is present from the start, so the dict never changes
+        # size while another thread sums it.
+        self.dropped: Counter[str] = Counter(dict.fromkeys(ALL_REASONS, 0))
+        _prepare_path(self.path)
+        with _dgram_qlen_at_least(backlog, qlen_sysctl) as granted:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.backlog = granted
+        try:
+            self._set_rcvbuf(rcvbuf)
+            self._sock.bind(str(self.path))
+            os.chmod(self.path, socket_mode)
+            self._inode = os.stat(self.path).st_ino
+        except BaseException:
+            self._sock.close()
+            raise
+        self.rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        # A pipe wakes the receive thread at close(): closing a socket another
+        # thread is blocked in does not reliably wake it.
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
+        self.closed = False
+
+    def _set_rcvbuf(self, size: int) -> None:
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
+        except OSError:
+            # Not CAP_NET_ADMIN: the plain option, capped at net.core.rmem_max.
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
+    @property
+    def malformed_total(self) -> int:
+        return sum(n for why, n in self.dropped.items() if why in MALFORMED_REASONS)
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    def start(self) -> IngestServer:
+        self._thread = threading.Thread(target=self._loop, name="fsdp-sentinel-ingest", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        sock, wake = self._sock, self._wake_r
+        fd = sock.fileno()
+        buf = bytearray(MAX_DATAGRAM + 1)
+        view = memoryview(buf)
+        flags = socket.MSG_DONTWAIT
+        while True:
+            ready, _, _ = select.select([fd, wake], [], [])
+            # Drain everything queued before sleeping again; at close this
+            # also delivers what was sent before close() was called.
+            while True:
+                try:
+                    n, _, mflags, _ = sock.recvmsg_into([view], 0, flags)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as e:
+                    if e.errno == errno.EBADF:
+                        return
+                    log.warning("ingest receive failed: %s", e)
+                    break
+                self.received += 1
+                if mflags & socket.MSG_TRUNC or n > MAX_DATAGRAM:
+                    self.dropped[TOO_LARGE] += 1
+                    continue
+                rec, why = parse_datagram(bytes(view[:n]))
+                if rec is None:
+                    assert why is not None
+                    if not self.dropped[why]:
+                        log.warning("ingest: dropping datagram (%s); further ones counted", why)
+                    self.dropped[why] += 1
+                    continue
+                if self._on_record(rec) is False:
+                    self.dropped[REFUSED] += 1
+                    continue
+                self.accepted += 1
+            if wake in ready:
+                return
+
+    def close(self) -> None:
+        """Stop the thread, close the socket and remove its file (if still ours)."""
+        if self.closed:
+            return
+        self.closed = True
+        os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with contextlib.suppress(FileNotFoundError):
+            # Another daemon may have replaced a socket it thought stale.
+            if os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+
+    def __enter__(self) -> IngestServer:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

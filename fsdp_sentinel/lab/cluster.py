@@ -1,0 +1,86 @@
+"""Launch a torchrun job on a lab: one torchrun agent per host, gloo over the lab links.
+
+Host ``i`` runs ``torchrun --nnodes N --node-rank i --nproc-per-node K
+--master-addr <host 0's address> --master-port P -m MODULE ARGS`` inside its
+namespace and cgroup (``Lab.popen``), with ``GLOO_SOCKET_IFNAME`` set to its
+lab link so every collective crosses the shaped veth. Static rendezvous:
+host 0's agent serves the store on the master port. With one process per
+host, rank ``i`` is host ``i``, the convention fault records rely on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fsdp_sentinel.lab.topology import Lab
+
+DEFAULT_MODULE = "fsdp_sentinel.trainer"
+
+
+def torchrun_argv(
+    lab: Lab,
+    node_rank: int,
+    module: str,
+    module_args: Sequence[str],
+    *,
+    master_port: int,
+    nproc_per_host: int = 1,
+) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(len(lab.hosts)),
+        "--node-rank", str(node_rank),
+        "--nproc-per-node", str(nproc_per_host),
+        "--master-addr", lab.hosts[0].addr,
+        "--master-port", str(master_port),
+        "--max-restarts", "0",
+        "-m", module, *module_args,
+    ]  # fmt: skip
+
+
+def launch_torchrun(
+    lab: Lab,
+    module_args: Sequence[str],
+    *,
+    master_port: int,
+    env: Mapping[str, str] | None = None,
+    nproc_per_host: int = 1,
+    module: str = DEFAULT_MODULE,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> list[subprocess.Popen[Any]]:
+    """Start the job on every host; returns the torchrun agents' processes, host order.
+
+    ``env`` is added to each host's environment (after the lab's own:
+    ``GLOO_SOCKET_IFNAME``, ``OMP_NUM_THREADS=1`` unless given, and
+    ``FSDP_SENTINEL_HOST``). With ``log_dir`` each host's output goes to
+    ``<log_dir>/<host>.log``; otherwise it is inherited.
+    """
+    procs = []
+    try:
+        for h in lab.hosts:
+            host_env = {"OMP_NUM_THREADS": "1", **(env or {}), "GLOO_SOCKET_IFNAME": h.ifname}
+            argv = torchrun_argv(
+                lab, h.index, module, module_args,
+                master_port=master_port, nproc_per_host=nproc_per_host,
+            )  # fmt: skip
+            kw: dict[str, Any] = {}
+            if log_dir is not None:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                out = open(Path(log_dir, f"{h.name}.log"), "wb")  # noqa: SIM115 (child owns it)
+                kw = {"stdout": out, "stderr": subprocess.STDOUT}
+            try:
+                procs.append(lab.popen(h, argv, env=host_env, **kw))
+            finally:
+                if "stdout" in kw:
+                    kw["stdout"].close()
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    return procs

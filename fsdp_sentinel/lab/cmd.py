@@ -1,0 +1,113 @@
+"""``fsdp-sentinel lab up|down|status``: build a lab by hand, remove leftovers, look at labs.
+
+``up`` builds a lab and keeps it until Ctrl-C or SIGTERM (then removes it),
+or with ``--detach`` leaves it for a later ``down``. ``down`` removes every
+``fss-`` lab (or one, ``--name``) in whatever state a crashed run left it:
+processes in its namespaces and cgroups, the namespaces, links, cgroups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+HELP = "build, inspect or remove a network-namespace lab (hosts on a shaped bridge)"
+EPILOG = """examples:
+  fsdp-sentinel lab up --hosts 4 --rate-mbit 1000     # until Ctrl-C
+  fsdp-sentinel lab up --name fss-x --detach          # leave it up
+  fsdp-sentinel lab status
+  fsdp-sentinel lab down                              # every fss- lab
+  fsdp-sentinel lab down --name fss-x
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="lab_command", metavar="ACTION")
+    sub.required = True
+    up = sub.add_parser("up", help="build a lab (removed on Ctrl-C unless --detach)")
+    up.add_argument("--name", default="fss", help="lab name, starts with fss (default fss)")
+    up.add_argument("--hosts", type=int, default=4, help="number of hosts (default 4)")
+    up.add_argument("--rate-mbit", type=float, default=1000.0,
+                    help="each host's link rate both ways; 0 = unshaped (default 1000)")  # fmt: skip
+    up.add_argument("--subnet", default="198.18.0.0/24", help="inside 198.18.0.0/15")
+    up.add_argument("--detach", action="store_true", help="leave the lab up and exit")
+    down = sub.add_parser("down", help="remove a lab or every fss- lab, with their processes")
+    down.add_argument("--name", default=None, help="only this lab (default: every fss- lab)")
+    st = sub.add_parser("status", help="show the labs that exist now")
+    st.add_argument("--name", default=None)
+    st.add_argument("--json", action="store_true", help="JSON instead of a table")
+
+
+def _interrupt_handler() -> Any:
+    """SIGTERM -> KeyboardInterrupt, in this process only.
+
+    pyroute2 forks short-lived children (one per namespace socket) and stops
+    them with SIGTERM; a child that inherited a raising handler would unwind
+    a copy of our stack and run the lab's cleanup from the wrong process.
+    """
+    owner = os.getpid()
+
+    def handler(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            os._exit(128 + signum)
+        raise KeyboardInterrupt
+
+    return handler
+
+
+def _up(args: argparse.Namespace) -> int:
+    from fsdp_sentinel.lab import status
+    from fsdp_sentinel.lab.config import LabConfig, LabError
+    from fsdp_sentinel.lab.topology import Lab
+
+    try:
+        cfg = LabConfig(
+            name=args.name,
+            hosts=args.hosts,
+            rate_mbit=args.rate_mbit or None,
+            subnet=args.subnet,
+        )
+    except LabError as e:
+        print(f"fsdp-sentinel lab up: {e}", file=sys.stderr)
+        return 2
+    # SIGTERM cleans up like Ctrl-C: the finally below removes the lab.
+    old = signal.signal(signal.SIGTERM, _interrupt_handler())
+    lab = Lab(cfg)
+    try:
+        print(status.format_table(status.describe(cfg.name)), flush=True)
+        if args.detach:
+            lab.detach()
+            print(f"left up; remove with: fsdp-sentinel lab down --name {cfg.name}")
+            return 0
+        print("lab up; Ctrl-C removes it", flush=True)
+        try:
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            pass
+        return 0
+    finally:
+        lab.close()
+        signal.signal(signal.SIGTERM, old)
+
+
+def main(args: argparse.Namespace) -> int:
+    from fsdp_sentinel.lab import cleanup, status
+
+    if args.lab_command == "up":
+        return _up(args)
+    if args.lab_command == "down":
+        removed = cleanup.teardown(args.name)
+        if removed.empty():
+            print("nothing to remove")
+        else:
+            print(f"removed {len(removed.netns)} namespaces, {len(removed.cgroups)} cgroups, "
+                  f"{len(removed.links)} links, {len(removed.pids)} processes")  # fmt: skip
+        return 0
+    labs = status.describe(args.name)
+    print(json.dumps(labs, indent=2) if args.json else status.format_table(labs))
+    return 0

@@ -1,0 +1,242 @@
+"""The faults the lab can inject; each is a small dataclass with ``apply`` and ``undo``.
+
+Callers decide onset and end (a step or a time) and call ``Lab.inject(fault)``
+/ ``Lab.clear(fault)``, which return the trace-v1 ``fault`` records, so a
+trace carries its own ground truth. ``what`` names (stable, used by
+detection's truth files): ``slow_link``, ``noisy_neighbor``, ``slow_compute``,
+``packet_loss``, ``rank_kill``.
+
+Stacking: a host's link may carry a rate (tbf) and packet loss (clsact) at
+once; a slow link changes the tbf's rate in place and its clear restores the
+lab's rate. Noisy-neighbour processes live in the host's namespace but not in
+its cgroup, so they neither count against a CPU quota nor get killed as the
+rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from fsdp_sentinel.lab.config import LabError, LabHost
+
+if TYPE_CHECKING:
+    from fsdp_sentinel.lab.topology import Lab
+
+HostArg = int | str | LabHost
+#: Base TCP port of noisy-neighbour sinks (one per host index).
+NOISE_PORT = 5300
+CFS_PERIOD_US = 100_000
+
+
+class Fault(Protocol):
+    what: ClassVar[str]
+    host: HostArg
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]: ...
+
+    def undo(self, lab: Lab, state: Any) -> None: ...
+
+
+@dataclass(eq=False)
+class SlowLink:
+    """The host's link drops to ``rate_mbit`` (tbf rate, changed in place, burst kept)."""
+
+    host: HostArg
+    rate_mbit: float
+    direction: str = "out"
+    what: ClassVar[str] = "slow_link"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        if not self.rate_mbit > 0:
+            raise LabError("SlowLink rate_mbit must be > 0")
+        ends = lab.link_ends(self.host, self.direction)
+        for end in ends:
+            lab.set_rate(end, self.rate_mbit)
+        params = {
+            "rate_mbit": self.rate_mbit,
+            "direction": self.direction,
+            "base_rate_mbit": lab.config.rate_mbit,
+        }
+        return params, ends
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        for end in state:
+            lab.reset_rate(end)
+
+
+class _Procs:
+    """Processes a fault started; ``close`` stops them (also called by ``Lab.close``)."""
+
+    def __init__(self, procs: list[subprocess.Popen[Any]]) -> None:
+        self.procs = procs
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=3)
+
+
+@dataclass(eq=False)
+class NoisyNeighbor:
+    """Bulk TCP that is not the job's on the host's link, to or from the storage host.
+
+    ``direction="out"``: the host uploads (like a checkpoint) to the storage
+    host; ``"in"``: the storage host sends to it. ``rate_mbit`` paces the
+    sender (``None``: as fast as the link allows); ``streams`` parallel TCP
+    connections.
+    """
+
+    host: HostArg
+    direction: str = "out"
+    rate_mbit: float | None = None
+    streams: int = 4
+    what: ClassVar[str] = "noisy_neighbor"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        h = lab.host(self.host)
+        if self.direction not in ("out", "in"):
+            raise LabError(f"NoisyNeighbor direction must be out or in, not {self.direction!r}")
+        src, dst = (h, lab.storage) if self.direction == "out" else (lab.storage, h)
+        port = NOISE_PORT + h.index
+        bulk = ["-m", "fsdp_sentinel.lab.bulk"]
+        quiet = {"stdout": subprocess.DEVNULL}
+        sink = lab.python(dst, [*bulk, "sink", "--bind", dst.addr, "--port", str(port)],
+                          cgroup=False, **quiet)  # fmt: skip
+        send_args = [*bulk, "send", "--to", f"{dst.addr}:{port}", "--streams", str(self.streams)]
+        if self.rate_mbit is not None:
+            send_args += ["--rate-mbit", str(self.rate_mbit)]
+        sender = lab.python(src, send_args, cgroup=False, **quiet)
+        params = {
+            "direction": self.direction,
+            "rate_mbit": self.rate_mbit,
+            "streams": self.streams,
+            "src": f"{src.addr}",
+            "dst": f"{dst.addr}:{port}",
+            "pids": [sender.pid, sink.pid],
+        }
+        return params, _Procs([sender, sink])
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        state.close()
+
+
+@dataclass(eq=False)
+class SlowCompute:
+    """A CFS quota on the host's cgroup: its processes get ``cpu_fraction`` of one core."""
+
+    host: HostArg
+    cpu_fraction: float
+    what: ClassVar[str] = "slow_compute"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        if not self.cpu_fraction > 0:
+            raise LabError("SlowCompute cpu_fraction must be > 0")
+        period = int(lab.read_cgroup(self.host, "cpu.cfs_period_us"))
+        quota = max(1000, round(self.cpu_fraction * period))  # the kernel's minimum is 1 ms
+        old = lab.read_cgroup(self.host, "cpu.cfs_quota_us")
+        lab.write_cgroup(self.host, "cpu.cfs_quota_us", str(quota))
+        params = {"cpu_fraction": self.cpu_fraction, "cfs_quota_us": quota, "cfs_period_us": period}
+        return params, old
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        lab.write_cgroup(self.host, "cpu.cfs_quota_us", state)
+
+
+class _LossProgram:
+    """A loaded drop classifier: the bcc object that owns the program, and where it hangs."""
+
+    def __init__(self, bpf: Any, ends: list[tuple[str, str]]) -> None:
+        self.bpf = bpf
+        self.ends = ends
+
+    def close(self) -> None:
+        if self.bpf is not None:
+            self.bpf.cleanup()
+            self.bpf = None
+
+
+@dataclass(eq=False)
+class PacketLoss:
+    """Drop each packet with probability ``p`` (a BPF classifier on clsact; no netem here)."""
+
+    host: HostArg
+    p: float
+    direction: str = "out"
+    what: ClassVar[str] = "packet_loss"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        from fsdp_sentinel.lab import loss, netlink
+
+        if not 0.0 <= self.p <= 1.0:
+            raise LabError("PacketLoss p must be within [0, 1]")
+        ends = lab.link_ends(self.host, self.direction)
+        bpf, fd, name = loss.load_drop_program(self.p)
+        state = _LossProgram(bpf, [])
+        try:
+            for netns, ifname in ends:
+                with lab.netlink_handle(netns) as ipr:
+                    netlink.attach_egress_bpf(ipr, ifname, fd, name)
+                state.ends.append((netns, ifname))
+        except BaseException:
+            self.undo(lab, state)
+            raise
+        # The filters hold their own reference to the program: the fd can go now.
+        state.close()
+        return {"p": self.p, "direction": self.direction}, state
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        from fsdp_sentinel.lab import netlink
+
+        for netns, ifname in state.ends:
+            with lab.netlink_handle(netns) as ipr:
+                netlink.remove_clsact(ipr, ifname)
+        state.close()
+
+
+def rank_pids(pids: list[int], proc: str = "/proc") -> list[int]:
+    """Those of ``pids`` that are ranks: their environment names a ``RANK``
+    (torchrun sets it for its workers, not for itself)."""
+    out = []
+    for pid in pids:
+        try:
+            env = Path(proc, str(pid), "environ").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if any(kv.startswith(b"RANK=") for kv in env.split(b"\0")):
+            out.append(pid)
+    return out
+
+
+@dataclass(eq=False)
+class KillRank:
+    """SIGKILL the host's rank process(es): members of its cgroup with ``RANK`` set."""
+
+    host: HostArg
+    sig: int = signal.SIGKILL
+    what: ClassVar[str] = "rank_kill"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        victims = rank_pids(lab.cgroup_pids(self.host))
+        if not victims:
+            raise LabError(
+                f"no rank process (RANK in its environment) in {lab.host(self.host).cgroup}"
+            )
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, self.sig)
+        return {"pids": victims, "signal": signal.Signals(self.sig).name}, None
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        """Nothing to undo: a killed rank stays dead (the record just gets its ``end``)."""

@@ -1,0 +1,84 @@
+"""``fsdp-sentinel report TRACE... -o report.html``: one self-contained HTML report.
+
+Reads one or more trace files (plain or ``.zst``; several are merged on time,
+e.g. the per-rank traces of a run without the daemon), summarises them
+(``report.model``), draws the plots (``report.plots``) and writes one HTML file
+(``report.page``) that needs nothing else to open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# Light: the plotting module imports matplotlib inside its functions.
+from fsdp_sentinel.report import model, page
+
+HELP = "write a self-contained HTML report (plots and tables) from trace files"
+EPILOG = """examples:
+  fsdp-sentinel report out/demo/trace.jsonl.zst -o out/demo/report.html
+  fsdp-sentinel report rank0.jsonl rank1.jsonl -o run.html --title "run 42"
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="trace file(s), plain or .zst")
+    p.add_argument(
+        "-o", "--output", default="report.html", metavar="FILE", help="HTML file to write"
+    )
+    p.add_argument("--title", default=None, help="page title (default: from the trace)")
+    p.add_argument(
+        "--lenient",
+        action="store_true",
+        help="skip malformed lines (counted) instead of stopping at the first",
+    )
+
+
+def load(paths: Sequence[str | os.PathLike[str]], strict: bool = True) -> model.ReportData:
+    """Read and merge ``paths`` and summarise them for the report."""
+    from fsdp_sentinel.trace import merge_traces, read_trace
+
+    return model.build(merge_traces([read_trace(p, strict=strict) for p in paths]))
+
+
+def write_report(
+    paths: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    title: str | None = None,
+    strict: bool = True,
+) -> model.ReportData:
+    """Write the report for ``paths`` to ``output``; returns what it summarised."""
+    data = load(paths, strict=strict)
+    html = page.render(data, [str(p) for p in paths], title)
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(out)  # a reader never sees half a page
+    return data
+
+
+def main(args: argparse.Namespace) -> int:
+    from fsdp_sentinel.trace import TraceError
+
+    for p in args.traces:
+        if not os.path.isfile(p):
+            print(
+                "usage: fsdp-sentinel report TRACE... [-o FILE] [--title TEXT] [--lenient]\n"
+                f"fsdp-sentinel report: error: no such trace file: {p}",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        data = write_report(args.traces, args.output, args.title, strict=not args.lenient)
+    except TraceError as e:
+        print(f"fsdp-sentinel report: error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {args.output}: {data.world_size or 0} ranks, {len(data.steps)} steps, "
+        f"{len(data.verdicts)} verdicts, {len(data.faults)} faults"
+    )
+    return 0

@@ -1,0 +1,409 @@
+"""Synthetic traces, for scale and unit tests ONLY (never a stand-in for a capture).
+
+A small simulator of a synchronous FSDP job: every step each rank computes in
+``n_coll + 1`` segments separated by collectives; a collective completes when
+its last member has issued it plus a transfer time; each rank records its own
+``issue``/``end`` on its own (offset) clock. Probe-style ``flow`` records (a
+ring of data flows over a full mesh of connections), ``netdev`` records every
+``interval`` seconds, and ``conn`` records (open at start; close/reset when a
+rank dies) come with it. Faults shape the timing and the flows the way the
+machine notes describe real ones: a slow host raises the srtt of flows sent by
+it *and* to it; a fabric-wide slow-down raises everything.
+
+Golden traces under tests/traces/ are real captures; this module exists so the
+tests can cover what one laptop cannot run for real: 64 ranks, a million
+records, two stragglers at once, exact onsets. :func:`generate` returns the
+records in arrival order and a truth dict in the ``.truth.json`` format
+(docs/detection.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SlowCompute:
+    """Rank ``rank`` computes ``factor`` times slower during steps [start, end)."""
+
+    rank: int
+    factor: float
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SlowNetwork:
+    """Rank ``rank``'s link is slow: collectives take ``factor`` x, its flows' srtt ``srtt_factor`` x."""
+
+    rank: int
+    factor: float
+    start: int
+    end: int
+    srtt_factor: float = 3.5
+    retrans_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class FabricSlow:
+    """Every link is slow: collectives ``factor`` x, every flow's srtt ``srtt_factor`` x."""
+
+    factor: float
+    start: int
+    end: int
+    srtt_factor: float = 3.0
+
+
+@dataclass(frozen=True)
+class Spike:
+    """Rank ``rank`` stalls ``seconds`` once, in step ``step`` (a GC pause)."""
+
+    rank: int
+    step: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Rank ``rank`` dies during step ``step``; the job hangs, then is torn down."""
+
+    rank: int
+    step: int
+    teardown_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A synthetic job: shape, noise, clocks and faults."""
+
+    ranks: int = 4
+    steps: int = 40
+    compute_s: float = 0.2
+    n_coll: int = 8
+    xfer_s: float = 0.01
+    coll_bytes: int = 4 << 20
+    jitter: float = 0.03
+    clock_offset_s: float = 0.0  # host clocks spread over +- this
+    interval: float = 1.0
+    srtt_us: float = 2000.0
+    drop: float = 0.0  # share of hook records (step/coll) lost
+    late_join: dict[int, int] = field(default_factory=dict)  # rank -> first step
+    faults: tuple[Any, ...] = ()
+    seed: int = 0
+    name: str = "synthetic"
+    tail_s: float = 0.0  # stream time (probe records only) after the last step
+
+
+def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = None) -> float:
+    f = 1.0
+    for x in faults:
+        g: Any = x
+        if isinstance(g, kind) and g.start <= step < g.end and (rank is None or g.rank == rank):
+            f *= g.factor
+    return f
+
+
+def truth_of(scn: Scenario) -> dict[str, Any]:
+    """The ``.truth.json`` dict for a scenario.
+
+    ``factor`` is the fault's effect on step time (as captures measure it);
+    ``rank_factor`` the factor the fault applies to the rank's compute or link.
+    """
+    base = scn.compute_s + scn.n_coll * scn.xfer_s
+    expect: list[dict[str, Any]] = []
+    for x in scn.faults:
+        if isinstance(x, SlowCompute):
+            eff = 1.0 + scn.compute_s * (x.factor - 1.0) / base
+            cause = "compute"
+        elif isinstance(x, SlowNetwork):
+            eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
+            cause = "network"
+        elif isinstance(x, Lost):
+            expect.append(
+                {"rank": x.rank, "cause": "rank_lost", "onset_step": x.step, "end_step": x.step}
+            )
+            continue
+        else:
+            continue
+        expect.append(
+            {
+                "rank": x.rank,
+                "cause": cause,
+                "onset_step": x.start,
+                "end_step": x.end - 1,
+                "factor": round(eff, 3),
+                "rank_factor": x.factor,
+            }
+        )
+    return {
+        "scenario": scn.name,
+        "source": "synthetic (fsdp_sentinel.synth), not a capture",
+        "world_size": scn.ranks,
+        "steps": scn.steps,
+        "stragglers": expect,
+    }
+
+
+def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
+    """Records of the whole job in arrival order, and its truth."""
+    rnd = random.Random(scn.seed)
+    n = scn.ranks
+    offs = [rnd.uniform(-scn.clock_offset_s, scn.clock_offset_s) for _ in range(n)]
+    host = [f"synth-h{r}" for r in range(n)]
+    addr = [f"198.18.{r // 250}.{r % 250 + 1}" for r in range(n)]
+    pid = [10000 + r for r in range(n)]
+
+    def ep(a: int, b: int) -> str:  # a's local end of the (a, b) connection
+        return f"{addr[a]}:{20000 + b}"
+
+    lost = next((x for x in scn.faults if isinstance(x, Lost)), None)
+    spikes = {(x.rank, x.step): x.seconds for x in scn.faults if isinstance(x, Spike)}
+    timed: list[tuple[float, int, Record]] = []  # (true time, tiebreak, record)
+    seq_no = 0
+
+    def put(true_t: float, rank: int, rec: Record) -> None:
+        nonlocal seq_no
+        timed.append((true_t, seq_no, rec))
+        seq_no += 1
+
+    t0 = 1_700_000_000.0
+    for r in range(n):
+        put(
+            t0 + r * 1e-4,
+            r,
+            {
+                "kind": "rank",
+                "t": t0 + offs[r],
+                "rank": r,
+                "world_size": n,
+                "host": host[r],
+                "pid": pid[r],
+                "addrs": [addr[r]],
+            },
+        )
+    for a in range(n):
+        for b in range(n):
+            if a != b:
+                put(
+                    t0 + 0.001,
+                    a,
+                    {
+                        "kind": "conn",
+                        "t": t0 + 0.001 + offs[a],
+                        "host": host[a],
+                        "pid": pid[a],
+                        "src": ep(a, b),
+                        "dst": ep(b, a),
+                        "what": "open",
+                    },
+                )
+    cur = [t0 + 0.01] * n
+    step_starts: list[float] = []
+    steps_done = scn.steps
+    dead_t: float | None = None
+    seg_w = 1.0 / (scn.n_coll + 1)
+    seq = [0] * n
+    for s in range(scn.steps):
+        starts = cur[:]
+        step_starts.append(min(starts))
+        net = _factor(scn.faults, SlowNetwork, s) * _factor(scn.faults, FabricSlow, s)
+        die_at = None
+        if lost is not None and s == lost.step:
+            die_at = rnd.randrange(1, scn.n_coll)
+        for k in range(scn.n_coll + 1):
+            issue = []
+            for r in range(n):
+                seg = scn.compute_s * seg_w * _factor(scn.faults, SlowCompute, s, r)
+                seg *= math.exp(rnd.gauss(0.0, scn.jitter))
+                if k == 1:
+                    seg += spikes.get((r, s), 0.0)
+                issue.append(cur[r] + seg)
+            if die_at is not None and k == die_at:
+                dead_t = issue[lost.rank] - 0.5 * scn.compute_s * seg_w  # type: ignore[union-attr]
+                steps_done = s
+                break
+            if k == scn.n_coll:
+                cur = issue
+                break
+            done = max(issue) + scn.xfer_s * net * math.exp(rnd.gauss(0.0, scn.jitter))
+            op = "all_gather" if k < scn.n_coll // 2 else "reduce_scatter"
+            for r in range(n):
+                end = done + rnd.uniform(0.0, 2e-4)
+                if s >= scn.late_join.get(r, 0):
+                    put(
+                        end,
+                        r,
+                        {
+                            "kind": "coll",
+                            "rank": r,
+                            "step": s,
+                            "seq": seq[r],
+                            "op": op,
+                            "bytes": scn.coll_bytes,
+                            "group_size": n,
+                            "issue": issue[r] + offs[r],
+                            "end": end + offs[r],
+                        },
+                    )
+                seq[r] += 1
+                cur[r] = end
+        if dead_t is not None:
+            break
+        for r in range(n):
+            if s >= scn.late_join.get(r, 0):
+                put(
+                    cur[r],
+                    r,
+                    {
+                        "kind": "step",
+                        "rank": r,
+                        "step": s,
+                        "start": starts[r] + offs[r],
+                        "end": cur[r] + offs[r],
+                    },
+                )
+            cur[r] += 1e-4
+
+    t_end = (dead_t + lost.teardown_s + 2 * scn.interval) if (lost and dead_t) else max(cur)
+    t_end += scn.tail_s
+    if lost is not None and dead_t is not None:
+        k = lost.rank
+        for b in range(n):
+            if b != k:
+                put(
+                    dead_t,
+                    k,
+                    {
+                        "kind": "conn",
+                        "t": dead_t + offs[k],
+                        "host": host[k],
+                        "pid": pid[k],
+                        "src": ep(k, b),
+                        "dst": ep(b, k),
+                        "what": "close",
+                    },
+                )
+                put(
+                    dead_t + 3e-4,
+                    b,
+                    {
+                        "kind": "conn",
+                        "t": dead_t + 3e-4 + offs[b],
+                        "host": host[b],
+                        "pid": pid[b],
+                        "src": ep(b, k),
+                        "dst": ep(k, b),
+                        "what": "reset",
+                    },
+                )
+        td = dead_t + lost.teardown_s
+        for a in range(n):
+            for b in range(n):
+                if a != b and k not in (a, b):
+                    put(
+                        td,
+                        a,
+                        {
+                            "kind": "conn",
+                            "t": td + offs[a],
+                            "host": host[a],
+                            "pid": pid[a],
+                            "src": ep(a, b),
+                            "dst": ep(b, a),
+                            "what": "close",
+                        },
+                    )
+
+    # Probe records: ring data flows (r -> r+1) and their ACK paths, every interval.
+    t = t0 + scn.interval
+    while t <= t_end + 1e-9:
+        s = max(0, bisect_right(step_starts, t) - 1)
+        running = s < steps_done and (dead_t is None or t < dead_t)
+        for r in range(n):
+            put(
+                t,
+                r,
+                {
+                    "kind": "netdev",
+                    "t": t + offs[r],
+                    "dt": scn.interval,
+                    "host": host[r],
+                    "dev": "eth0",
+                    "tx_bytes": 0,
+                    "rx_bytes": 0,
+                },
+            )
+        if n >= 2:
+            for r in range(n):
+                for peer in {(r + 1) % n, (r - 1) % n}:
+                    if (
+                        lost is not None
+                        and dead_t is not None
+                        and t >= dead_t
+                        and lost.rank in (r, peer)
+                    ):
+                        continue
+                    sending = peer == (r + 1) % n
+                    f = 1.0
+                    for x in scn.faults:
+                        if (
+                            isinstance(x, SlowNetwork)
+                            and x.start <= s < x.end
+                            and x.rank in (r, peer)
+                        ):
+                            f *= x.srtt_factor
+                        if isinstance(x, FabricSlow) and x.start <= s < x.end:
+                            f *= x.srtt_factor
+                    rate = scn.coll_bytes * scn.n_coll / (scn.compute_s + scn.n_coll * scn.xfer_s)
+                    tx = (
+                        int(rate * scn.interval * rnd.uniform(0.9, 1.1))
+                        if (running and sending)
+                        else 0
+                    )
+                    rx = (
+                        int(rate * scn.interval * rnd.uniform(0.9, 1.1))
+                        if running and not sending
+                        else 0
+                    )
+                    retrans = 0
+                    for x in scn.faults:
+                        if (
+                            isinstance(x, SlowNetwork)
+                            and x.start <= s < x.end
+                            and x.rank == r
+                            and sending
+                        ):
+                            retrans += int(x.retrans_per_s * scn.interval)
+                    put(
+                        t,
+                        r,
+                        {
+                            "kind": "flow",
+                            "t": t + offs[r],
+                            "dt": scn.interval,
+                            "host": host[r],
+                            "pid": pid[r],
+                            "src": ep(r, peer),
+                            "dst": ep(peer, r),
+                            "tx_bytes": tx,
+                            "rx_bytes": rx,
+                            "srtt_us": round(scn.srtt_us * f * rnd.uniform(0.9, 1.1), 1),
+                            "retrans": retrans,
+                            "cwnd": 10,
+                        },
+                    )
+        t += scn.interval
+
+    timed.sort(key=lambda x: (x[0], x[1]))
+    out = [rec for _, _, rec in timed]
+    if scn.drop > 0:
+        out = [
+            rec for rec in out if rec["kind"] not in ("step", "coll") or rnd.random() >= scn.drop
+        ]
+    return out, truth_of(scn)

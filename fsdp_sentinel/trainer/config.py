@@ -1,0 +1,182 @@
+"""The trainer's flags, parsed into one frozen :class:`TrainConfig`.
+
+No torch import here, so bad flags fail (exit 2, with a usage line) before
+torch loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fsdp_sentinel.emit import DEFAULT_SOCKET
+
+EPILOG = """\
+examples:
+  torchrun --nproc-per-node 2 -m fsdp_sentinel.trainer --steps 30
+  torchrun --nproc-per-node 4 -m fsdp_sentinel.trainer --replicate 2 \\
+      --trace-out /tmp/run/rank{rank}.jsonl
+  torchrun --nproc-per-node 2 -m fsdp_sentinel.trainer --steps 40 \\
+      --delay-rank 1 --delay-seconds 0.2 --delay-steps 10:20
+"""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    layers: int = 2
+    dim: int = 64
+    heads: int = 4
+    seq_len: int = 64
+    vocab: int = 256
+    batch: int = 8
+    steps: int = 20
+    seed: int = 0
+    lr: float = 3e-3
+    text: str | None = None
+    replicate: int = 1
+    socket: str | None = DEFAULT_SOCKET
+    trace_out: str | None = None
+    hooks: bool = True
+    threads: int = 0  # 0: cores / local ranks
+    log_every: int = 10
+    delay_rank: int | None = None
+    delay_seconds: float = 0.0
+    delay_start: int = 0
+    delay_stop: int | None = None  # exclusive; None: to the end
+
+    def delayed(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` stalls in ``step`` (steps delay_start .. delay_stop-1)."""
+        return (
+            self.delay_rank == rank
+            and self.delay_seconds > 0
+            and step >= self.delay_start
+            and (self.delay_stop is None or step < self.delay_stop)
+        )
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _step_range(text: str) -> tuple[int, int | None]:
+    a, sep, b = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected A:B (or A:), got {text!r}")
+    try:
+        start = int(a) if a else 0
+        stop = int(b) if b else None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected A:B integers, got {text!r}") from e
+    if start < 0 or (stop is not None and stop <= start):
+        raise argparse.ArgumentTypeError(f"need 0 <= A < B, got {text!r}")
+    return start, stop
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp_sentinel.trainer",
+        description="Small GPT-style decoder trained with FSDP2 (launch with torchrun).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=_positive, default=2, help="decoder blocks (default 2)")
+    m.add_argument("--dim", type=_positive, default=64, help="model width (default 64)")
+    m.add_argument("--heads", type=_positive, default=4, help="attention heads (default 4)")
+    m.add_argument("--seq-len", type=_positive, default=64, help="tokens per sample (default 64)")
+    m.add_argument("--vocab", type=_positive, default=256, help="vocabulary size (default 256)")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch", type=_positive, default=8, help="samples per rank per step")
+    t.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
+    t.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    t.add_argument(
+        "--text", metavar="FILE", help="train on this file's bytes (needs --vocab >= 256)"
+    )
+    t.add_argument(
+        "--replicate",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="HSDP: N replica groups on a 2-D mesh (N must divide the world size)",
+    )
+    t.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / local ranks)")
+    t.add_argument(
+        "--log-every", type=int, default=10, metavar="K", help="rank 0 prints loss every K steps"
+    )
+    o = p.add_argument_group("observability")
+    o.add_argument(
+        "--socket",
+        default=DEFAULT_SOCKET,
+        metavar="PATH",
+        help=f"daemon ingest socket (default {DEFAULT_SOCKET}; 'off' for none)",
+    )
+    o.add_argument(
+        "--trace-out", metavar="PATH", help="also write this rank's records here ({rank} replaced)"
+    )
+    o.add_argument("--no-hooks", action="store_true", help="train without instrumentation")
+    d = p.add_argument_group("deliberate stall (tests and captures)")
+    d.add_argument("--delay-rank", type=int, metavar="R", help="the rank that stalls")
+    d.add_argument(
+        "--delay-seconds",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="S",
+        help="seconds of sleep per stalled step, between forward and backward",
+    )
+    d.add_argument(
+        "--delay-steps",
+        type=_step_range,
+        default=(0, None),
+        metavar="A:B",
+        help="stall in steps A..B-1 (A: to the end; default all)",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Flags -> config; exits 2 with a usage line on bad flags."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.dim % a.heads:
+        p.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
+    if a.text and a.vocab < 256:
+        p.error("--text trains on bytes: --vocab must be >= 256")
+    if a.delay_rank is not None and a.delay_rank < 0:
+        p.error("--delay-rank must be >= 0")
+    if a.delay_rank is not None and a.delay_seconds <= 0:
+        p.error("--delay-rank needs --delay-seconds > 0")
+    start, stop = a.delay_steps
+    return TrainConfig(
+        layers=a.layers,
+        dim=a.dim,
+        heads=a.heads,
+        seq_len=a.seq_len,
+        vocab=a.vocab,
+        batch=a.batch,
+        steps=a.steps,
+        seed=a.seed,
+        lr=a.lr,
+        text=a.text,
+        replicate=a.replicate,
+        socket=None if a.socket in ("", "off") else a.socket,
+        trace_out=a.trace_out,
+        hooks=not a.no_hooks,
+        threads=a.threads,
+        log_every=a.log_every,
+        delay_rank=a.delay_rank,
+        delay_seconds=a.delay_seconds,
+        delay_start=start,
+        delay_stop=stop,
+    )

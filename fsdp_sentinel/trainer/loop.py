@@ -1,0 +1,168 @@
+"""The train loop: process group, sharded model, instrumented steps, a final line.
+
+Read top to bottom: :func:`train` is the whole run. gloo on CPU, NCCL when
+CUDA is present; with ``--replicate N`` the mesh is 2-D (replicate x shard),
+which makes ``fully_shard`` HSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_sentinel.trainer.config import TrainConfig, build_parser, parse_args
+
+
+@dataclass
+class Cluster:
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: Any  # torch.device
+    mesh: Any  # DeviceMesh
+
+
+def setup_cluster(cfg: TrainConfig) -> Cluster:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    if world % cfg.replicate:
+        dist.destroy_process_group()
+        build_parser().error(f"--replicate {cfg.replicate} does not divide world size {world}")
+    shape = (world,) if cfg.replicate == 1 else (cfg.replicate, world // cfg.replicate)
+    names = ("shard",) if cfg.replicate == 1 else ("replicate", "shard")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return Cluster(dist.get_rank(), world, local_world, device, mesh)
+
+
+def set_threads(cfg: TrainConfig, cluster: Cluster) -> None:
+    import torch
+
+    # Ranks on one machine share its cores; oversubscribing them makes every
+    # step slower and noisier than the collectives we are here to time.
+    n = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, cluster.local_world_size))
+    torch.set_num_threads(n)
+    # Interop threads can be set once per process; a second call raises.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def build_model(cfg: TrainConfig, cluster: Cluster) -> Any:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_sentinel.trainer.model import GPT, ModelConfig
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = GPT(ModelConfig(cfg.layers, cfg.dim, cfg.heads, cfg.seq_len, cfg.vocab))
+    model.to(cluster.device)
+    for block in model.blocks:
+        fully_shard(block, mesh=cluster.mesh)
+    fully_shard(model, mesh=cluster.mesh)
+    return model
+
+
+class _PlainStep:
+    """Stands in for ``inst.step(n)`` when training without hooks."""
+
+    loss: float | None = None
+
+    def __enter__(self) -> _PlainStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def train(cfg: TrainConfig) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_sentinel.hooks import instrument
+    from fsdp_sentinel.trainer.data import make_source
+    from fsdp_sentinel.trainer.model import loss_fn
+
+    cluster = setup_cluster(cfg)
+    set_threads(cfg, cluster)
+    rank = cluster.rank
+    model = build_model(cfg, cluster)
+    inst = instrument(model, socket_path=cfg.socket, trace_out=cfg.trace_out) if cfg.hooks else None
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    data = make_source(cfg.vocab, cfg.seq_len, cfg.seed, rank, cfg.text)
+
+    step_times: list[float] = []
+    loss_value = float("nan")
+    try:
+        for step in range(cfg.steps):
+            x, y = (t.to(cluster.device) for t in data.batch(cfg.batch))
+            t0 = time.perf_counter()
+            with inst.step(step) if inst else _PlainStep() as span:
+                loss = loss_fn(model(x), y)
+                if cfg.delayed(rank, step):
+                    if inst and step == cfg.delay_start:
+                        inst.emitter.emit(_stall_fault(cfg, inst.host, rank))
+                    time.sleep(cfg.delay_seconds)  # a deliberate compute stall
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                loss_value = loss.item()
+                span.loss = loss_value
+            step_times.append(time.perf_counter() - t0)
+            if (
+                rank == 0
+                and cfg.log_every > 0
+                and (step % cfg.log_every == 0 or step == cfg.steps - 1)
+            ):
+                print(f"step {step} loss {loss_value:.4f}", flush=True)
+    finally:
+        if inst:
+            inst.close()
+        dist.destroy_process_group()
+
+    # Median over the steps after the first (which pays for lazy init).
+    median = statistics.median(step_times[1:] or step_times)
+    sent, dropped, errors = (inst.sent, inst.dropped, inst.errors) if inst else (0, 0, 0)
+    print(
+        f"done rank={rank} steps={cfg.steps} loss={loss_value:.4f} step_s={median:.5f} "
+        f"sent={sent} dropped={dropped} hook_errors={errors}",
+        flush=True,
+    )
+    return 0
+
+
+def _stall_fault(cfg: TrainConfig, host: str, rank: int) -> dict[str, Any]:
+    """The ground truth of a ``--delay-*`` stall, as a trace-v1 ``fault`` record."""
+    return {
+        "kind": "fault",
+        "t": time.time(),
+        "host": host,
+        "rank": rank,
+        "what": "compute_stall",
+        "params": {"seconds": cfg.delay_seconds},
+        "step": cfg.delay_start,
+        "end_step": cfg.delay_stop,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        return train(cfg)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,592 @@
+"""Loads the probes into the kernel and turns their maps into trace-v1 records.
+
+``ProbeSet(config).start()`` compiles one program (probes/program.py) with
+bcc, attaches every tracepoint this kernel offers and reports the rest;
+``poll()`` drains the kernel's counting maps (batch lookup-and-delete where
+the kernel has it) and returns ``flow``, ``netdev``, ``conn``, ``nccl`` and
+``qp`` records holding the deltas since the previous poll. Uprobes on libnccl
+and libibverbs are attached once a traced process maps those libraries.
+
+bcc is imported only in ``start()``, so this module imports on any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes as ct
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import records as R
+from .libscan import LibraryScanner
+from .program import Program, build_program
+from .rdma import RdmaReader
+from .tracefs import find_tracefs
+from .uprobes import NCCL_UPROBES, VERBS_UPROBES, UprobeSpec, resolve_symbol
+
+log = logging.getLogger(__name__)
+
+STAT_NAMES = {
+    0: "flows",
+    1: "orphans",
+    2: "socks",
+    3: "conn_events",
+    4: "retrans",
+    5: "devs",
+    6: "nccl_calls",
+    7: "qps",
+}
+STAT_SOCK_DEL = 8
+STAT_ORPHAN_BYTES = 9
+
+#: maps emptied at every poll (the rest are read in place)
+DRAINED_MAPS = (
+    "sock_owner_hint",
+    "flows",
+    "orphans",
+    "conn_events",
+    "retrans",
+    "devs",
+    "nccl_calls",
+    "qps",
+)
+START_SETTLE_S = 0.3
+
+#: orphans whose socket is still unnamed are kept this many polls, then counted lost.
+ORPHAN_POLLS = 5
+#: conn events of sockets no registered process has claimed yet (pid filter on).
+CONN_POLLS = 3
+
+
+class ProbePermissionError(RuntimeError):
+    """Loading eBPF programs needs root (or CAP_BPF with CAP_PERFMON)."""
+
+
+class ProbeLoadError(RuntimeError):
+    """bcc is missing or the program did not compile/load."""
+
+
+@dataclass
+class ProbeConfig:
+    """What to trace and how often.
+
+    ``pid_filter``: False traces every process; True counts only pids given
+    to ``register_pid`` (an in-kernel filter fixed at load). ``interval`` is
+    the caller's polling period (0.1 s .. 3600 s), used by ``flows`` and the
+    daemon; ``poll()`` itself reports the real ``dt``.
+    """
+
+    interval: float = 1.0
+    pid_filter: bool = False
+    host: str = field(default_factory=socket.gethostname)
+    families: tuple[str, ...] = ("tcp", "netdev", "nccl", "verbs")
+    tracefs_root: str | None = None  # None: find it
+    proc_root: str = "/proc"
+    sysfs_net: str = "/sys/class/net"
+    rdma_root: str | None = "/sys/class/infiniband"  # None: no RDMA port counters
+    library_scan_interval: float = 5.0
+    max_flows: int = 16384
+    max_socks: int = 65536
+    max_events: int = 8192
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.interval <= 3600:
+            raise ValueError(f"interval must be between 0.1 and 3600 s, not {self.interval}")
+        unknown = set(self.families) - {"tcp", "netdev", "nccl", "verbs"}
+        if unknown:
+            raise ValueError(f"unknown probe families: {', '.join(sorted(unknown))}")
+
+
+@dataclass
+class AttachReport:
+    """What got attached (by name) and what did not (name, reason)."""
+
+    attached: list[str] = field(default_factory=list)
+    missing: list[tuple[str, str]] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [f"attached {name}" for name in self.attached]
+        out += [f"missing  {name}: {why}" for name, why in self.missing]
+        return out
+
+
+def check_privileges(status_path: str = "/proc/self/status") -> None:
+    """Raise ProbePermissionError unless this process may load tracing programs.
+
+    Decided by the effective capabilities, not the uid: root with its
+    capabilities dropped cannot load eBPF either.
+    """
+    caps = None
+    try:
+        for line in Path(status_path).read_text().splitlines():
+            if line.startswith("CapEff:"):
+                caps = int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    if caps is None:  # no /proc: trust the uid
+        if os.geteuid() == 0:
+            return
+        caps = 0
+    cap_sys_admin, cap_perfmon, cap_bpf = 21, 38, 39
+    if caps & (1 << cap_sys_admin) or (caps & (1 << cap_bpf) and caps & (1 << cap_perfmon)):
+        return
+    raise ProbePermissionError(
+        "loading eBPF probes needs root (or CAP_BPF and CAP_PERFMON); "
+        "run as root, e.g. `sudo fsdp-sentinel flows`"
+    )
+
+
+def _drain(table: Any, batch: bool) -> Iterator[tuple[Any, Any]]:
+    """Every (key, value) of ``table``, deleted as read.
+
+    Batch lookup-and-delete (Linux 5.6+) empties the map in a few syscalls;
+    otherwise each key is looked up and deleted on its own. Either way an
+    increment that lands between the copy and the delete of its entry is
+    lost (nanoseconds per entry per poll; see docs/probes.md).
+    """
+    if batch:
+        yield from table.items_lookup_and_delete_batch()
+        return
+    for k in list(table.keys()):
+        try:
+            v = table[k]
+            del table[k]
+        except KeyError:
+            continue
+        yield k, v
+
+
+def _read_all(table: Any, batch: bool) -> list[tuple[Any, Any]]:
+    if batch:
+        return list(table.items_lookup_batch())
+    return list(table.items())
+
+
+def _int(v: Any) -> int:
+    """A scalar map key/value: bcc yields ctypes scalars or plain ints."""
+    return int(getattr(v, "value", v))
+
+
+def _fields(v: Any, *names: str) -> list[int]:
+    return [int(getattr(v, name)) for name in names]
+
+
+def _tuple(t: Any) -> R.Tuple:
+    return R.make_tuple(t.family, t.lport, t.rport, bytes(t.laddr), bytes(t.raddr))
+
+
+class ProbeSet:
+    """The loaded probes; see the module docstring. Not reentrant: call
+    ``poll()`` from one thread (``register_pid`` may come from another)."""
+
+    def __init__(self, config: ProbeConfig | None = None, clock: Callable[[], float] = time.time):
+        self.config = config or ProbeConfig()
+        self._clock = clock
+        self._bpf: Any = None
+        self._program: Program | None = None
+        self._batch = False
+        self._last_t = 0.0
+        self._lock = threading.Lock()
+        self.report = AttachReport()
+        self.evictions = R.Evictions()
+        self._orphans: dict[tuple[int, int], tuple[R.FlowFigures, int]] = {}
+        self._pending_conns: list[tuple[dict[str, Any], int, R.Tuple, int]] = []
+        self._stats: dict[int, int] = {}
+        self.lost_orphan_bytes = 0
+        self._known_devs: set[str] = set()
+        self._dev_types: dict[str, int | None] = {}
+        self._registered: set[int] = set()
+        self._attached_libs: set[tuple[int, int]] = set()
+        self._scanner = LibraryScanner(self.config.proc_root)
+        self._last_scan = float("-inf")
+        self._rdma = (
+            RdmaReader(self.config.rdma_root, host=self.config.host, clock=clock)
+            if self.config.rdma_root
+            else None
+        )
+
+    # ------------------------------------------------------------------ loading
+
+    def program_text(self) -> str:
+        """The exact C text ``start()`` compiles (or would compile)."""
+        return self._build().text
+
+    def _build(self) -> Program:
+        if self._program is None:
+            root = Path(self.config.tracefs_root) if self.config.tracefs_root else find_tracefs()
+            self._program = build_program(
+                root,
+                families=self.config.families,
+                filter_pids=self.config.pid_filter,
+                defines={
+                    "SENTINEL_MAX_FLOWS": self.config.max_flows,
+                    "SENTINEL_MAX_SOCKS": self.config.max_socks,
+                    "SENTINEL_MAX_EVENTS": self.config.max_events,
+                },
+            )
+        return self._program
+
+    def start(self) -> AttachReport:
+        """Compile, load and attach; raises ProbePermissionError when not
+        privileged, ProbeLoadError when bcc is unusable. A missing optional
+        tracepoint is reported in the returned AttachReport, not raised."""
+        check_privileges()
+        prog = self._build()
+        try:
+            from bcc import BPF  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise ProbeLoadError(f"bcc is not importable ({e}); install python3-bpfcc") from e
+        try:
+            # TRACEPOINT_PROBE functions are attached by bcc as it loads them.
+            self._bpf = BPF(text=prog.text.encode())
+        except Exception as e:
+            raise ProbeLoadError(f"eBPF program failed to load: {e}") from e
+        self.report.attached += [tp.name + (" (raw)" if tp.raw else "") for tp in prog.tracepoints]
+        self.report.missing += [(chk.name, chk.reason or "") for chk in prog.missing]
+        self._batch = self._probe_batch_support()
+        for pid in sorted(self._registered):  # registered before start()
+            self._bpf[b"pids"][ct.c_uint(pid)] = ct.c_ubyte(1)
+        # Freshly attached tracepoints were seen to miss a few packets in
+        # their first milliseconds; let them settle, then start from empty.
+        time.sleep(START_SETTLE_S)
+        for name in DRAINED_MAPS:
+            try:
+                table = self._bpf[name.encode()]
+            except KeyError:  # its family is not compiled in
+                continue
+            self.evictions.harvest(name, sum(1 for _ in _drain(table, self._batch)))
+        self._last_t = self._clock()
+        self._stats = self._read_stats()
+        self._known_devs |= self._local_devices()
+        self.scan_libraries(force=True)
+        if self._rdma is not None and self._rdma.present():
+            self._rdma.poll()  # baseline
+            self.report.attached.append(f"sysfs:{self.config.rdma_root}")
+        return self.report
+
+    def _probe_batch_support(self) -> bool:
+        try:
+            list(self._bpf[b"retrans"].items_lookup_batch())
+            return True
+        except Exception:
+            return False
+
+    def set_tracepoints_attached(self, on: bool) -> None:
+        """Detach (False) or re-attach (True) the tracepoint programs while
+        keeping the loaded program and its maps, e.g. to measure overhead."""
+        if self._bpf is None or self._program is None:
+            raise RuntimeError("set_tracepoints_attached() before start()")
+        for tp in self._program.tracepoints:
+            fn = tp.function.encode()
+            if tp.raw:
+                event = tp.name.split(":", 1)[1].encode()
+                if on:
+                    self._bpf.attach_raw_tracepoint(tp=event, fn_name=fn)
+                else:
+                    self._bpf.detach_raw_tracepoint(tp=event)
+            elif on:
+                self._bpf.attach_tracepoint(tp=tp.name.encode(), fn_name=fn)
+            else:
+                self._bpf.detach_tracepoint(tp.name.encode())
+
+    def program_fds(self) -> dict[str, int]:
+        """Loaded BPF function name -> program fd (for run-time statistics)."""
+        if self._bpf is None:
+            return {}
+        return {
+            (name.decode() if isinstance(name, bytes) else str(name)): fn.fd
+            for name, fn in self._bpf.funcs.items()
+        }
+
+    def close(self) -> None:
+        """Detach everything (idempotent)."""
+        if self._bpf is not None:
+            try:
+                self._bpf.cleanup()
+            finally:
+                self._bpf = None
+
+    def __enter__(self) -> ProbeSet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ pids
+
+    def register_pid(self, pid: int) -> None:
+        """Count this process (with the pid filter on) and look for its libraries."""
+        with self._lock:
+            self._registered.add(pid)
+            if self._bpf is not None:
+                self._bpf[b"pids"][ct.c_uint(pid)] = ct.c_ubyte(1)
+        if self._bpf is not None:
+            self._attach_found(self._scanner.scan([pid]))
+
+    def unregister_pid(self, pid: int) -> None:
+        with self._lock:
+            self._registered.discard(pid)
+            if self._bpf is not None:
+                with contextlib.suppress(KeyError):
+                    del self._bpf[b"pids"][ct.c_uint(pid)]
+
+    # ------------------------------------------------------------------ uprobes
+
+    def scan_libraries(self, force: bool = False) -> None:
+        """Attach uprobes to libnccl/libibverbs mapped by traced processes."""
+        if self._bpf is None or not ({"nccl", "verbs"} & set(self.config.families)):
+            return
+        now = time.monotonic()
+        if not force and now - self._last_scan < self.config.library_scan_interval:
+            return
+        self._last_scan = now
+        pids = sorted(self._registered) if self.config.pid_filter else None
+        self._attach_found(self._scanner.scan(pids))
+
+    def attach_library(self, path: str, kind: str) -> list[str]:
+        """Attach the ``kind`` ("nccl" or "verbs") uprobes to the library at
+        ``path`` now; returns the probe names attached."""
+        specs = NCCL_UPROBES if kind == "nccl" else VERBS_UPROBES
+        return self._attach_specs(path, specs)
+
+    def _attach_found(self, found: list[tuple[str, str]]) -> None:
+        for kind, path in found:
+            if kind in self.config.families:
+                self.attach_library(path, kind)
+
+    def _attach_specs(self, path: str, specs: tuple[UprobeSpec, ...]) -> list[str]:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            self.report.missing.append((f"uprobe:{path}", f"cannot stat: {e.strerror}"))
+            return []
+        ident = (st.st_dev, st.st_ino)
+        if ident in self._attached_libs or self._bpf is None:
+            return []
+        self._attached_libs.add(ident)
+        done = []
+        for spec in specs:
+            name = f"uprobe:{spec.symbol}{'(ret)' if spec.ret else ''}@{path}"
+            addr = resolve_symbol(path, spec.symbol)
+            if addr is None:
+                self.report.missing.append((name, f"symbol {spec.symbol} not exported"))
+                continue
+            attach = self._bpf.attach_uretprobe if spec.ret else self._bpf.attach_uprobe
+            try:
+                attach(name=path.encode(), addr=addr, fn_name=spec.fn.encode())
+            except Exception as e:
+                self.report.missing.append((name, f"attach failed: {e}"))
+                continue
+            self.report.attached.append(name)
+            done.append(name)
+        return done
+
+    # ------------------------------------------------------------------ polling
+
+    def _read_stats(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        table = self._bpf[b"stats"]
+        for idx in range(10):
+            vals = table[ct.c_int(idx)]
+            out[idx] = int(sum(vals))
+        return out
+
+    def _harvest(self, name: str) -> list[tuple[Any, Any]]:
+        """Drain map ``name``, counting what came out (for eviction figures)."""
+        got = list(_drain(self._bpf[name.encode()], self._batch))
+        self.evictions.harvest(name, len(got))
+        return got
+
+    def _stat(self, idx: int) -> int:
+        return self._stats.get(idx, 0)
+
+    def _local_devices(self) -> set[str]:
+        try:
+            return set(os.listdir(self.config.sysfs_net))
+        except OSError:
+            return set()
+
+    def _dev_type(self, name: str) -> int | None:
+        if name not in self._dev_types:
+            try:
+                self._dev_types[name] = int(
+                    Path(self.config.sysfs_net, name, "type").read_text().strip()
+                )
+            except (OSError, ValueError):
+                self._dev_types[name] = None
+        return self._dev_types[name]
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Records for the deltas since the previous poll (or start)."""
+        if self._bpf is None:
+            raise RuntimeError("ProbeSet.poll() before start()")
+        self.scan_libraries()
+        b, batch = self._bpf, self._batch
+        now = self._clock()
+        dt = max(0.0, now - self._last_t)
+        self._last_t = now
+        host = self.config.host
+        stats = self._stats = self._read_stats()
+        for idx, name in STAT_NAMES.items():
+            self.evictions.created[name] = stats.get(idx, 0)
+        out: list[dict[str, Any]] = []
+        fams = set(self.config.families)
+        if "tcp" in fams:
+            out += self._poll_tcp(b, batch, now, dt, host)
+        if "netdev" in fams:
+            out += self._poll_netdev(b, batch, now, dt, host)
+        if "nccl" in fams:
+            out += self._poll_nccl(b, batch, now, dt, host)
+        if "verbs" in fams:
+            out += self._poll_qps(b, batch, now, host)
+        if self._rdma is not None and self._rdma.present():
+            out += self._rdma.poll()
+        return out
+
+    def _poll_tcp(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
+        socks: dict[int, Any] = {}
+        by_tuple: dict[R.Tuple, Any] = {}
+        for k, v in _read_all(b[b"socks"], batch):
+            socks[_int(k)] = v
+            if v.known:
+                by_tuple[_tuple(v.t)] = v
+        # socks is not drained: what it lost to the LRU is what was created
+        # minus what the kernel deleted minus what is still there.
+        self.evictions.harvested["socks"] = self._stat(STAT_SOCK_DEL) + len(socks)
+        flows: dict[tuple[int, R.Tuple], R.FlowFigures] = {}
+        for k, v in self._harvest("flows"):
+            key = (int(k.tgid), _tuple(k.t))
+            flows.setdefault(key, R.FlowFigures()).add(*_fields(v, "tx_bytes", "rx_bytes"))
+        # Bytes counted before a socket's 4-tuple was known.
+        for k, v in self._harvest("orphans"):
+            okey = (int(k.tgid), int(k.sk))
+            fig, age = self._orphans.get(okey, (R.FlowFigures(), 0))
+            fig.add(*_fields(v, "tx_bytes", "rx_bytes"))
+            self._orphans[okey] = (fig, age)
+        for okey, (fig, age) in list(self._orphans.items()):
+            info = socks.get(okey[1])
+            if info is not None and info.known:
+                flows.setdefault((okey[0], _tuple(info.t)), R.FlowFigures()).add(
+                    fig.tx_bytes, fig.rx_bytes
+                )
+                del self._orphans[okey]
+            elif age + 1 >= ORPHAN_POLLS:
+                self.lost_orphan_bytes += fig.tx_bytes + fig.rx_bytes
+                del self._orphans[okey]
+            else:
+                self._orphans[okey] = (fig, age + 1)
+        # Path figures (latest tcp_probe) and retransmits by 4-tuple.
+        owners: dict[R.Tuple, int] = {}
+        for (pid, tup), fig in flows.items():
+            info = by_tuple.get(tup)
+            if info is not None:
+                fig.srtt_us = int(info.srtt_us) or None
+                fig.cwnd = int(info.snd_cwnd) or None
+                fig.snd_wnd = int(info.snd_wnd) or None
+            best = owners.get(tup)
+            if best is None or fig.tx_bytes > flows[(best, tup)].tx_bytes:
+                owners[tup] = pid
+        for k, v in self._harvest("retrans"):
+            tup = _tuple(k)
+            owner = owners.get(tup)
+            if owner is None:
+                info = by_tuple.get(tup)
+                owner = int(info.tgid) if info is not None else 0
+                if self.config.pid_filter and owner not in self._registered:
+                    continue
+            flows.setdefault((owner, tup), R.FlowFigures()).retrans += _int(v)
+        out = R.flow_records(flows, now, dt, host)
+        out += self._conn_records(b, batch, now, host, socks, owners)
+        return out
+
+    def _conn_records(
+        self,
+        b: Any,
+        batch: bool,
+        now: float,
+        host: str,
+        socks: dict[int, Any],
+        owners: dict[R.Tuple, int],
+    ) -> list[dict]:
+        fresh: list[tuple[dict[str, Any], int, R.Tuple, int]] = []
+        for k, v in self._harvest("conn_events"):
+            tup = _tuple(k.t)
+            rec: dict[str, Any] = {
+                "kind": "conn",
+                "t": now,
+                "host": host,
+                "pid": int(v.tgid),
+                "src": tup.src,
+                "dst": tup.dst,
+                "what": R.CONN_WHAT.get(int(k.what), "unknown"),
+                "count": int(v.count),
+            }
+            if int(k.what) in R.RESET_DIRECTION:
+                rec["direction"] = R.RESET_DIRECTION[int(k.what)]
+            fresh.append((rec, int(v.sk), tup, 0))
+        out = []
+        keep = []
+        for rec, sk, tup, age in self._pending_conns + fresh:
+            if not rec["pid"]:
+                # Softirq events: the socket's owner, else this poll's sender.
+                info = socks.get(sk)
+                rec["pid"] = (int(info.tgid) if info is not None else 0) or owners.get(tup, 0)
+            if self.config.pid_filter and rec["pid"] not in self._registered:
+                if age + 1 < CONN_POLLS:  # no registered process claimed it yet
+                    rec["pid"] = 0
+                    keep.append((rec, sk, tup, age + 1))
+                continue
+            out.append(rec)
+        self._pending_conns = keep
+        return out
+
+    def _poll_netdev(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
+        devs: dict[str, R.DevFigures] = {}
+        for k, v in self._harvest("devs"):
+            name = k.name.decode(errors="replace")
+            fig = devs.setdefault(name, R.DevFigures())
+            fig.add(*_fields(v, *R.DevFigures.FIELDS))
+        self._known_devs |= set(devs)
+        types = {name: self._dev_type(name) for name in self._known_devs}
+        return R.netdev_records(devs, self._known_devs, types, now, dt, host)
+
+    def _poll_nccl(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
+        comms = {_int(k): v for k, v in _read_all(b[b"nccl_comms"], batch)}
+        return R.nccl_records(self._harvest("nccl_calls"), comms, now, dt, host)
+
+    def _poll_qps(self, b: Any, batch: bool, now: float, host: str) -> list[dict]:
+        return R.qp_records(self._harvest("qps"), now, host)
+
+    def missed_events(self) -> dict[str, int]:
+        """Per program, events the kernel skipped because another BPF tracing
+        program (any tool's) or a BPF map syscall held this CPU at that moment
+        (``recursion_misses`` in the program's fdinfo)."""
+        out: dict[str, int] = {}
+        for name, fd in self.program_fds().items():
+            try:
+                text = Path(f"/proc/self/fdinfo/{fd}").read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("recursion_misses:"):
+                    out[name] = int(line.split()[1])
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Health of the probes: LRU evictions per map, bytes parked on
+        sockets never named (non-TCP sockets of traced processes included),
+        events the kernel skipped."""
+        return {
+            "evicted": self.evictions.evicted(),
+            "unattributed_bytes": self.lost_orphan_bytes,
+            "missed_events": self.missed_events(),
+            "batch_lookup_and_delete": self._batch,
+        }

@@ -1,0 +1,258 @@
+"""Turns decoded kernel map entries into trace-v1 records (pure functions).
+
+Nothing here touches the kernel: the loader hands in plain Python values, so
+these conversions are tested without root.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+AF_INET = 2
+AF_INET6 = 10
+
+#: ARPHRD_* device types (from /sys/class/net/DEV/type).
+ARPHRD_ETHER = 1
+ARPHRD_LOOPBACK = 772
+ETH_HLEN = 14
+
+CONN_WHAT = {1: "open", 2: "close", 3: "reset", 4: "reset"}
+RESET_DIRECTION = {3: "sent", 4: "received"}
+
+NCCL_OPS = {
+    1: "all_gather",
+    2: "reduce_scatter",
+    3: "all_reduce",
+    4: "broadcast",
+    5: "send",
+    6: "recv",
+    7: "group_start",
+    8: "group_end",
+}
+
+
+@dataclass(frozen=True, order=True)
+class Tuple:
+    """A connection as its local end names it (addresses as IP strings)."""
+
+    family: int
+    laddr: str
+    lport: int
+    raddr: str
+    rport: int
+
+    @property
+    def src(self) -> str:
+        return endpoint(self.family, self.laddr, self.lport)
+
+    @property
+    def dst(self) -> str:
+        return endpoint(self.family, self.raddr, self.rport)
+
+
+def endpoint(family: int, addr: str, port: int) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6, so the last colon splits)."""
+    return f"[{addr}]:{port}" if family == AF_INET6 else f"{addr}:{port}"
+
+
+def format_addr(family: int, raw: bytes) -> str:
+    if family == AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, bytes(raw[:16]))
+    return socket.inet_ntop(socket.AF_INET, bytes(raw[:4]))
+
+
+def make_tuple(family: int, lport: int, rport: int, laddr: bytes, raddr: bytes) -> Tuple:
+    return Tuple(family, format_addr(family, laddr), lport, format_addr(family, raddr), rport)
+
+
+@dataclass
+class FlowFigures:
+    """What one poll learned about one (process, connection)."""
+
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    retrans: int = 0
+    srtt_us: int | None = None
+    cwnd: int | None = None
+    snd_wnd: int | None = None
+
+    def add(self, tx: int, rx: int) -> None:
+        self.tx_bytes += tx
+        self.rx_bytes += rx
+
+
+def flow_records(
+    flows: dict[tuple[int, Tuple], FlowFigures], t: float, dt: float, host: str
+) -> list[dict[str, Any]]:
+    """One ``flow`` record per (pid, connection) that moved bytes or retransmitted."""
+    out: list[dict[str, Any]] = []
+    for (pid, tup), fig in sorted(flows.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if not (fig.tx_bytes or fig.rx_bytes or fig.retrans):
+            continue
+        rec: dict[str, Any] = {
+            "kind": "flow",
+            "t": t,
+            "dt": dt,
+            "host": host,
+            "pid": pid,
+            "src": tup.src,
+            "dst": tup.dst,
+            "tx_bytes": fig.tx_bytes,
+            "rx_bytes": fig.rx_bytes,
+            "retrans": fig.retrans,
+        }
+        if fig.srtt_us is not None:
+            rec["srtt_us"] = fig.srtt_us
+        if fig.cwnd is not None:
+            rec["cwnd"] = fig.cwnd
+        if fig.snd_wnd is not None:
+            rec["snd_wnd"] = fig.snd_wnd
+        out.append(rec)
+    return out
+
+
+@dataclass
+class DevFigures:
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    tx_packets: int = 0
+    rx_packets: int = 0
+    tx_errors: int = 0
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "tx_bytes",
+        "rx_bytes",
+        "tx_packets",
+        "rx_packets",
+        "tx_errors",
+    )
+
+    def add(self, *values: int) -> None:
+        for name, value in zip(self.FIELDS, values, strict=True):
+            setattr(self, name, getattr(self, name) + value)
+
+
+def link_adjust(dev_type: int | None) -> tuple[int, int]:
+    """Bytes to add per (sent, received) packet so that traced ``skb->len``
+    matches the driver's own counters (``/proc/net/dev``).
+
+    ``net_dev_xmit`` sees the frame with its link-layer header;
+    ``netif_receive_skb`` runs after the driver pulled it (eth_type_trans).
+    Ethernet-like drivers (veth, NICs, bridges) count whole frames, so each
+    received packet gets its 14 header bytes back. Loopback counts the length
+    after the pull in both directions, so each sent packet loses 14. Devices
+    without a link header (tun, wireguard) need nothing. A device in another
+    namespace has no sysfs entry here: it is taken to be Ethernet.
+    """
+    if dev_type is None or dev_type == ARPHRD_ETHER:
+        return 0, ETH_HLEN
+    if dev_type == ARPHRD_LOOPBACK:
+        return -ETH_HLEN, 0
+    return 0, 0
+
+
+def netdev_records(
+    devs: dict[str, DevFigures],
+    known: Iterable[str],
+    dev_types: dict[str, int | None],
+    t: float,
+    dt: float,
+    host: str,
+) -> list[dict[str, Any]]:
+    """One ``netdev`` record per known device, zero deltas included."""
+    out = []
+    for name in sorted(set(known) | set(devs)):
+        fig = devs.get(name, DevFigures())
+        tx_adj, rx_adj = link_adjust(dev_types.get(name))
+        rec: dict[str, Any] = {
+            "kind": "netdev",
+            "t": t,
+            "dt": dt,
+            "host": host,
+            "dev": name,
+            "tx_bytes": max(0, fig.tx_bytes + tx_adj * fig.tx_packets),
+            "rx_bytes": max(0, fig.rx_bytes + rx_adj * fig.rx_packets),
+            "tx_packets": fig.tx_packets,
+            "rx_packets": fig.rx_packets,
+            "tx_errors": fig.tx_errors,
+        }
+        out.append(rec)
+    return out
+
+
+@dataclass
+class Evictions:
+    """Entries each drained map created vs. those user space harvested; the
+    shortfall is what the LRU evicted (accurate to the entries created
+    during one drain)."""
+
+    created: dict[str, int] = field(default_factory=dict)
+    harvested: dict[str, int] = field(default_factory=dict)
+
+    def harvest(self, name: str, n: int) -> None:
+        self.harvested[name] = self.harvested.get(name, 0) + n
+
+    def evicted(self) -> dict[str, int]:
+        return {
+            name: max(0, made - self.harvested.get(name, 0)) for name, made in self.created.items()
+        }
+
+
+def nccl_records(
+    entries: Iterable[tuple[Any, Any]], comms: dict[int, Any], t: float, dt: float, host: str
+) -> list[dict[str, Any]]:
+    """``nccl`` records from drained (nccl_key, nccl_counters) entries;
+    ``comms`` maps communicator address -> nccl_comm_info."""
+    out = []
+    for k, v in entries:
+        rec: dict[str, Any] = {
+            "kind": "nccl",
+            "t": t,
+            "dt": dt,
+            "host": host,
+            "pid": int(k.tgid),
+            "op": NCCL_OPS.get(int(k.op), f"op{int(k.op)}"),
+            "calls": int(v.calls),
+            "bytes": int(v.bytes),
+        }
+        comm = int(k.comm)
+        if comm:
+            rec["comm"] = f"{comm:#x}"
+            info = comms.get(comm)
+            if info is not None:
+                rec["rank"] = int(info.rank)
+                rec["nranks"] = int(info.nranks)
+        if int(v.bad_dtype):
+            rec["unknown_dtype_calls"] = int(v.bad_dtype)
+        out.append(rec)
+    return sorted(out, key=lambda r: (r["pid"], r.get("comm", ""), r["op"]))
+
+
+def qp_records(entries: Iterable[tuple[Any, Any]], t: float, host: str) -> list[dict[str, Any]]:
+    """``qp`` records (one per kind of call that happened) from drained
+    (qp_key, qp_counters) entries."""
+    out = []
+    for k, v in entries:
+        base: dict[str, Any] = {
+            "kind": "qp",
+            "t": t,
+            "host": host,
+            "pid": int(k.tgid),
+            "qp_num": int(k.qp_num),
+        }
+        if int(v.qp_type):
+            base["qp_type"] = int(v.qp_type)
+        for what, count in (("create", v.creates), ("modify", v.modifies), ("destroy", v.destroys)):
+            if not int(count):
+                continue
+            rec = dict(base, what=what, calls=int(count))
+            if what == "modify":
+                if int(v.state) >= 0:
+                    rec["state"] = int(v.state)
+                if int(v.dest_qp_num):
+                    rec["dest_qp_num"] = int(v.dest_qp_num)
+            out.append(rec)
+    return out

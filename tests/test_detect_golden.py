@@ -1,0 +1,65 @@
+"""Every golden trace (a real capture in tests/traces/) replays to its truth.
+
+The truth comes from how the capture was made (which rank was stalled, from
+which step: tests/traces/capture.py, or the lab's fault records), never from
+the detector. Lab/demo captures added to the folder are picked up here too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdp_sentinel import trace
+from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.replay import recorded_verdicts, replay_paths
+from fsdp_sentinel.truth import judge, load_truth, truth_path
+
+TRACES = Path(__file__).parent / "traces"
+GOLDEN = sorted(p for p in TRACES.glob("*.jsonl*") if truth_path(p).exists())
+
+
+def test_there_are_golden_traces_of_each_basic_kind() -> None:
+    names = {p.name.split(".")[0] for p in GOLDEN}
+    assert {"clean_2r", "slow_compute_2r", "spike_2r"} <= names
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
+def test_golden_trace_gives_its_truth(path: Path) -> None:
+    truth = load_truth(truth_path(path))
+    verdicts = list(replay_paths([path]))
+    j = judge(verdicts, truth)
+    assert not j.missed, f"missed {j.missed}"
+    assert not j.false, f"false flags {j.false}"
+    assert j.cause_ok == len(j.found)
+    for e, v in j.found:
+        if e["cause"] != "rank_lost" and e.get("factor", 0) >= 1.3:
+            assert v["step"] - e["onset_step"] <= 3, (e, v)
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
+def test_golden_trace_with_one_rank_shifted_20ms_gives_the_same_verdicts(path: Path) -> None:
+    # A host clock 20 ms ahead: every time on rank 1's records moves, nothing else.
+    recs = list(trace.read_trace(path))
+    shifted = []
+    for r in recs:
+        if r.get("rank") == 1 and r.get("kind") in ("step", "coll", "rank"):
+            r = dict(r)
+            for k in ("t", "start", "end", "issue"):
+                if k in r:
+                    r[k] += 0.020
+        shifted.append(r)
+    a = [(v["rank"], v["state"], v["cause"], v["step"]) for v in replay_paths([path])]
+    pipe = Pipeline()
+    b = [(v["rank"], v["state"], v["cause"], v["step"]) for v in pipe.feed_many(shifted)]
+    assert a == b
+
+
+LIVE = [p for p in GOLDEN if p.name.startswith("lab-")]
+
+
+@pytest.mark.parametrize("path", LIVE, ids=lambda p: p.name.split(".")[0])
+def test_live_lab_capture_replays_to_the_verdicts_the_daemon_recorded(path: Path) -> None:
+    # The daemon wrote its own verdicts into the capture as it ran.
+    assert list(replay_paths([path])) == recorded_verdicts([path])

@@ -1,0 +1,232 @@
+"""Detection over synthetic jobs (fsdp_sentinel.synth): shapes a laptop cannot run for real.
+
+The oracle is the generator's fault list (its truth), which the detector
+never sees; verdicts are matched to it by fsdp_sentinel.truth.judge.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fsdp_sentinel import synth as S
+from fsdp_sentinel.detect import DetectConfig
+from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.truth import judge
+
+
+def run(scn: S.Scenario, config: DetectConfig | None = None) -> tuple[list[dict], dict, Pipeline]:
+    recs, truth = S.generate(scn)
+    pipe = Pipeline(config)
+    return pipe.feed_many(recs), truth, pipe
+
+
+SCENARIOS = {
+    "clean_4": S.Scenario(),
+    "compute_4": S.Scenario(faults=(S.SlowCompute(2, 1.5, 10, 30),)),
+    "compute_2": S.Scenario(ranks=2, faults=(S.SlowCompute(1, 1.5, 10, 30),)),
+    "compute_64": S.Scenario(ranks=64, steps=30, faults=(S.SlowCompute(17, 1.4, 10, 25),)),
+    "mild_compute_4": S.Scenario(steps=50, faults=(S.SlowCompute(1, 1.22, 10, 40),)),
+    "network_4": S.Scenario(faults=(S.SlowNetwork(2, 3.0, 10, 30),)),
+    "network_retrans_4": S.Scenario(
+        faults=(S.SlowNetwork(1, 2.0, 10, 30, srtt_factor=1.2, retrans_per_s=40),)
+    ),
+    "fabric_4": S.Scenario(faults=(S.FabricSlow(3.0, 10, 30),)),
+    "fabric_and_compute_4": S.Scenario(
+        faults=(S.FabricSlow(2.0, 5, 35), S.SlowCompute(1, 1.5, 15, 30))
+    ),
+    "spike_4": S.Scenario(faults=(S.Spike(1, 12, 0.4),)),
+    "spikes_many_4": S.Scenario(faults=tuple(S.Spike(r, 5 + 7 * r, 0.5) for r in range(4))),
+    "lost_4": S.Scenario(faults=(S.Lost(1, 20),)),
+    "lost_2": S.Scenario(ranks=2, faults=(S.Lost(0, 15),)),
+    "two_compute_8": S.Scenario(
+        ranks=8, faults=(S.SlowCompute(1, 1.5, 10, 30), S.SlowCompute(6, 1.4, 15, 30))
+    ),
+    "compute_and_network_4": S.Scenario(
+        faults=(S.SlowCompute(0, 1.5, 10, 30), S.SlowNetwork(2, 2.0, 10, 30))
+    ),
+    "offsets_20ms_clean_4": S.Scenario(clock_offset_s=0.02),
+    "offsets_20ms_compute_4": S.Scenario(
+        clock_offset_s=0.02, faults=(S.SlowCompute(3, 1.4, 10, 30),)
+    ),
+    "drop5_clean_4": S.Scenario(drop=0.05, seed=3),
+    "drop5_compute_4": S.Scenario(drop=0.05, seed=4, faults=(S.SlowCompute(2, 1.5, 10, 30),)),
+    "late_join_4": S.Scenario(late_join={3: 8}, faults=(S.SlowCompute(3, 1.5, 15, 30),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_synthetic_scenario_gives_its_truth(name: str) -> None:
+    verdicts, truth, _ = run(SCENARIOS[name])
+    j = judge(verdicts, truth)
+    assert not j.missed, f"missed {j.missed}; verdicts {verdicts}"
+    assert not j.false, f"false flags {j.false}"
+    assert j.cause_ok == len(j.found), [(e["cause"], v["cause"]) for e, v in j.found]
+    for e, v in j.found:
+        if e["cause"] != "rank_lost" and e.get("factor", 0) >= 1.3:
+            assert v["step"] - e["onset_step"] <= 3, (e, v)
+
+
+def test_every_flag_is_cleared_after_its_fault_ends() -> None:
+    verdicts, _, pipe = run(SCENARIOS["compute_4"])
+    states = [(v["rank"], v["state"], v["cause"]) for v in verdicts]
+    assert states == [(2, "flagged", "compute"), (2, "cleared", "compute")]
+    cleared = verdicts[1]
+    assert 30 <= cleared["step"] <= 30 + DetectConfig().clear_after + 1
+    assert pipe.open == {}
+
+
+def test_network_verdict_names_the_slow_rank_and_a_peer() -> None:
+    verdicts, _, _ = run(SCENARIOS["network_4"])
+    flag = verdicts[0]
+    assert (flag["rank"], flag["cause"]) == (2, "network")
+    assert flag["peer_rank"] in (1, 3)  # a ring neighbour of the slow host
+    assert flag["evidence"]["srtt_ratio"] >= 1.5
+    assert "unsure" not in flag["evidence"]
+
+
+def test_two_ranks_network_says_it_cannot_tell_which_end() -> None:
+    verdicts, _, _ = run(S.Scenario(ranks=2, faults=(S.SlowNetwork(1, 2.0, 10, 30),)))
+    flags = [v for v in verdicts if v["state"] == "flagged"]
+    assert len(flags) == 1  # one verdict for the one link, not one per end
+    assert flags[0]["cause"] == "network"
+    assert flags[0]["evidence"]["candidates"] == [0, 1]
+    assert "unsure" in flags[0]["evidence"]
+
+
+def test_rank_lost_names_the_step_it_never_finished() -> None:
+    verdicts, _, pipe = run(SCENARIOS["lost_4"])
+    assert [(v["rank"], v["cause"], v["step"]) for v in verdicts] == [(1, "rank_lost", 20)]
+    assert verdicts[0]["evidence"]["torn_peers"] == 3
+    snap = pipe.snapshot()
+    assert [r.state for r in snap.ranks] == ["ok", "lost", "ok", "ok"]
+
+
+def test_rank_that_goes_quiet_while_others_continue_is_lost() -> None:
+    # No conn records at all (no probes): rank 3's hook records stop at step 20.
+    recs, _ = S.generate(S.Scenario(steps=60))
+    kept = [
+        r
+        for r in recs
+        if r["kind"] not in ("conn", "flow") and not (r.get("rank") == 3 and r.get("step", 0) >= 20)
+    ]
+    verdicts = Pipeline().feed_many(kept)
+    flags = [v for v in verdicts if v["state"] == "flagged"]
+    assert [(v["rank"], v["cause"]) for v in flags] == [(3, "rank_lost")]
+    assert flags[0]["step"] == 20
+    assert flags[0]["evidence"]["others_continued"] is True
+
+
+def test_clean_end_of_job_with_probe_records_after_it_flags_nobody() -> None:
+    # The job finishes; the daemon keeps reporting netdev/flow records for a minute.
+    verdicts, _, _ = run(S.Scenario(steps=20, tail_s=60.0))
+    assert verdicts == []
+
+
+def test_lost_rank_heard_again_is_cleared() -> None:
+    recs, _ = S.generate(S.Scenario(steps=60))
+    gap = [r for r in recs if r["kind"] not in ("conn", "flow")]
+    kept = [r for r in gap if not (r.get("rank") == 2 and 20 <= r.get("step", -1) < 45)]
+    verdicts = Pipeline().feed_many(kept)
+    assert [(v["rank"], v["state"], v["cause"]) for v in verdicts] == [
+        (2, "flagged", "rank_lost"),
+        (2, "cleared", "rank_lost"),
+    ]
+
+
+def test_64_ranks_clean_flags_nobody() -> None:
+    verdicts, _, pipe = run(S.Scenario(ranks=64, steps=25, seed=9))
+    assert verdicts == []
+    assert pipe.stats["steps"] == 25
+
+
+def test_records_shuffled_locally_give_the_same_verdicts() -> None:
+    # Datagrams from several ranks arrive slightly out of order.
+    recs, truth = S.generate(SCENARIOS["compute_4"])
+    rnd = random.Random(1)
+    shuffled = recs[:]
+    for i in range(0, len(shuffled) - 8, 8):
+        block = shuffled[i : i + 8]
+        rnd.shuffle(block)
+        shuffled[i : i + 8] = block
+    a = Pipeline().feed_many(recs)
+    b = Pipeline().feed_many(shuffled)
+    assert [(v["rank"], v["state"], v["cause"]) for v in a] == [
+        (v["rank"], v["state"], v["cause"]) for v in b
+    ]
+    assert judge(b, truth).ok
+
+
+def test_unknown_ranks_and_bad_records_do_not_break_the_pipeline() -> None:
+    recs, truth = S.generate(SCENARIOS["compute_4"])
+    noise: list[dict] = [
+        {
+            "kind": "coll",
+            "rank": 99,
+            "step": 3,
+            "seq": 0,
+            "op": "all_gather",
+            "bytes": 1,
+            "issue": 1.0,
+            "end": 1.1,
+        },
+        {
+            "kind": "coll",
+            "rank": 0,
+            "step": 4,
+            "seq": 1,
+            "op": "x",
+            "bytes": 1,
+            "issue": "soon",
+            "end": 2.0,
+        },
+        {"kind": "step", "rank": 1, "step": 5},  # missing fields
+        {
+            "kind": "flow",
+            "t": 1.7e9,
+            "dt": 1,
+            "host": "elsewhere",
+            "pid": 1,
+            "src": "10.0.0.1:1",
+            "dst": "10.0.0.2:2",
+            "tx_bytes": 5,
+            "rx_bytes": 5,
+        },
+        {"kind": "mystery", "t": 3},
+        {
+            "kind": "verdict",
+            "t": 1,
+            "step": 1,
+            "rank": 0,
+            "state": "flagged",
+            "cause": "compute",
+            "score": 9,
+        },
+    ]
+    mixed = recs[:200] + noise + recs[200:]
+    pipe = Pipeline()
+    verdicts = pipe.feed_many(mixed)
+    j = judge(verdicts, truth)
+    assert j.ok, verdicts
+    assert pipe.stats["malformed"] == 2
+    assert pipe.stats["unattributed_flows"] >= 1
+    assert pipe.records_total["other"] == 1
+
+
+def test_set_config_takes_effect_while_running() -> None:
+    recs, _ = S.generate(S.Scenario(steps=50, faults=(S.SlowCompute(1, 1.22, 10, 40),)))
+    pipe = Pipeline()
+    half = len(recs) // 5
+    assert pipe.feed_many(recs[:half]) == []
+    pipe.set_config(DetectConfig(min_effect=0.5))  # nothing this small counts now
+    assert [v for v in pipe.feed_many(recs[half:]) if v["state"] == "flagged"] == []
+
+
+def test_same_records_give_byte_identical_verdicts() -> None:
+    import json
+
+    recs, _ = S.generate(SCENARIOS["compute_and_network_4"])
+    a = [json.dumps(v, sort_keys=False) for v in Pipeline().feed_many(recs)]
+    b = [json.dumps(v, sort_keys=False) for v in Pipeline().feed_many(recs)]
+    assert a == b and a

@@ -1,0 +1,189 @@
+"""The emitter: datagrams to a real AF_UNIX socket; drops and counts, never blocks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fsdp_sentinel.emit import MAX_DATAGRAM, Emitter
+from fsdp_sentinel.trace import read_trace
+
+REC = {"kind": "step", "rank": 0, "step": 1, "start": 1.0, "end": 2.0}
+
+
+@pytest.fixture
+def sock_path(tmp_path: Path) -> str:
+    return str(tmp_path / "ingest.sock")
+
+
+@pytest.fixture
+def receiver(sock_path: str) -> Iterator[socket.socket]:
+    """A daemon stand-in: a bound datagram socket that reads only when asked."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(sock_path)
+    s.setblocking(False)
+    yield s
+    s.close()
+
+
+def drain(s: socket.socket) -> list[dict[str, object]]:
+    out = []
+    while True:
+        try:
+            out.append(json.loads(s.recv(MAX_DATAGRAM + 1)))
+        except BlockingIOError:
+            return out
+
+
+def test_delivers_each_record_as_one_datagram(sock_path: str, receiver: socket.socket) -> None:
+    with Emitter(sock_path) as em:
+        for i in range(5):
+            em.emit({**REC, "step": i})
+        em.flush()
+        assert (em.sent, em.dropped) == (5, 0)
+    assert [r["step"] for r in drain(receiver)] == [0, 1, 2, 3, 4]
+
+
+def test_no_daemon_drops_and_counts(tmp_path: Path) -> None:
+    with Emitter(str(tmp_path / "nobody" / "ingest.sock")) as em:
+        for _ in range(1000):
+            em.emit(REC)
+        em.flush()
+        assert (em.sent, em.dropped) == (0, 1000)
+
+
+def test_socket_file_without_listener_drops(sock_path: str) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(sock_path)
+    s.close()  # the file stays, nobody listens: ECONNREFUSED
+    with Emitter(sock_path) as em:
+        em.emit(REC)
+        em.flush()
+        assert (em.sent, em.dropped) == (0, 1)
+
+
+def test_full_receiver_queue_drops_instead_of_blocking(
+    sock_path: str, receiver: socket.socket
+) -> None:
+    # The receiver never reads, so its queue fills; a blocking sender would
+    # hang here (pytest-timeout would fail the test).
+    n = 20_000
+    with Emitter(sock_path) as em:
+        for i in range(n):
+            em.emit({**REC, "step": i})
+        em.flush()
+        assert em.dropped > 0
+        assert em.sent > 0
+        assert em.sent + em.dropped == n
+        got = drain(receiver)
+        assert len(got) == em.sent
+        # Once the queue has room again, records flow again at once.
+        em.emit({**REC, "step": -1})
+        em.flush()
+        assert em.sent == len(got) + 1
+    assert drain(receiver) == [{**REC, "step": -1}]
+
+
+def test_picks_up_a_daemon_that_starts_later(sock_path: str) -> None:
+    now = [100.0]
+    with Emitter(sock_path, retry_interval=1.0, clock=lambda: now[0]) as em:
+        em.emit(REC)  # nobody there: backs off for a second
+        em.flush()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(sock_path)
+        s.setblocking(False)
+        try:
+            em.emit(REC)  # still backing off: dropped without trying
+            em.flush()
+            assert (em.sent, em.dropped) == (0, 2)
+            assert drain(s) == []
+            now[0] += 1.5
+            em.emit({**REC, "step": 9})
+            em.flush()
+            assert (em.sent, em.dropped) == (1, 2)
+            assert drain(s) == [{**REC, "step": 9}]
+        finally:
+            s.close()
+
+
+def test_daemon_gone_midway(sock_path: str) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(sock_path)
+    with Emitter(sock_path) as em:
+        em.emit(REC)
+        em.flush()
+        s.close()
+        Path(sock_path).unlink()
+        em.emit(REC)
+        em.emit(REC)
+        em.flush()
+        assert (em.sent, em.dropped) == (1, 2)
+
+
+def test_oversize_and_unencodable_records_are_dropped(
+    sock_path: str, receiver: socket.socket
+) -> None:
+    with Emitter(sock_path) as em:
+        em.emit({**REC, "blob": "x" * (MAX_DATAGRAM + 1)})
+        em.emit({**REC, "bad": object()})
+        em.emit(REC)
+        em.flush()
+        assert (em.sent, em.dropped, em.oversize) == (1, 2, 1)
+    assert drain(receiver) == [REC]
+
+
+def test_trace_out_keeps_every_record_even_without_daemon(tmp_path: Path) -> None:
+    out = tmp_path / "rank0.jsonl"
+    with Emitter(str(tmp_path / "none.sock"), trace_out=str(out)) as em:
+        for i in range(50):
+            em.emit({**REC, "step": i})
+        em.flush()
+        assert (em.dropped, em.written) == (50, 50)
+    recs = list(read_trace(out))
+    assert recs[0]["kind"] == "header"
+    assert [r["step"] for r in recs[1:]] == list(range(50))
+
+
+def test_socket_off_writes_trace_only(tmp_path: Path) -> None:
+    out = tmp_path / "t.jsonl.zst"
+    with Emitter(None, trace_out=str(out)) as em:
+        em.emit(REC)
+        em.flush()
+        assert (em.sent, em.dropped, em.written) == (0, 0, 1)
+    assert list(read_trace(out))[1:] == [REC]
+
+
+def test_emit_only_queues_the_background_thread_sends(
+    sock_path: str, receiver: socket.socket
+) -> None:
+    with Emitter(sock_path, flush_interval=0.01) as em:
+        em.emit(REC)
+        for _ in range(200):  # up to 2 s for the sender thread on a busy machine
+            if em.sent:
+                break
+            threading.Event().wait(0.01)
+        assert em.sent == 1
+    assert drain(receiver) == [REC]
+
+
+def test_queue_cap_drops_and_counts(sock_path: str, receiver: socket.socket) -> None:
+    with Emitter(sock_path, flush_interval=3600, max_pending=3) as em:
+        for i in range(5):
+            em.emit({**REC, "step": i})
+        assert em.dropped == 2  # counted at once, before any send
+        em.flush()
+        assert (em.sent, em.dropped) == (3, 2)
+    assert [r["step"] for r in drain(receiver)] == [0, 1, 2]
+
+
+def test_emit_after_close_is_a_no_op(sock_path: str, receiver: socket.socket) -> None:
+    em = Emitter(sock_path)
+    em.close()
+    em.close()
+    em.emit(REC)
+    assert (em.sent, em.dropped) == (0, 0)

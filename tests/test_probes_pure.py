@@ -1,0 +1,199 @@
+"""The probes' user side without a kernel: record building, tracefs
+detection, program assembly, symbol versions, library scan, CLI table."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from fsdp_sentinel import trace
+from fsdp_sentinel.probes import flows_cmd
+from fsdp_sentinel.probes import records as R
+from fsdp_sentinel.probes.libscan import LibraryScanner
+from fsdp_sentinel.probes.loader import (
+    ProbeConfig,
+    ProbePermissionError,
+    ProbeSet,
+    check_privileges,
+)
+from fsdp_sentinel.probes.program import TRACEPOINTS, build_program
+from fsdp_sentinel.probes.tracefs import check_tracepoint, field_names
+from fsdp_sentinel.probes.uprobes import resolve_symbol
+
+SEND_FORMAT = """name: sock_send_length
+ID: 1670
+format:
+\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
+\tfield:void * sk;\toffset:8;\tsize:8;\tsigned:0;
+\tfield:__u16 family;\toffset:16;\tsize:2;\tsigned:0;
+\tfield:__u16 protocol;\toffset:18;\tsize:2;\tsigned:0;
+\tfield:int ret;\toffset:20;\tsize:4;\tsigned:1;
+\tfield:int flags;\toffset:24;\tsize:4;\tsigned:1;
+\tfield:__u8 saddr[28];\toffset:28;\tsize:28;\tsigned:0;
+\tfield:__data_loc char[] name;\toffset:56;\tsize:4;\tsigned:0;
+"""
+
+
+def _fake_tracefs(root: Path, events: dict[str, str]) -> Path:
+    for name, text in events.items():
+        cat, ev = name.split(":")
+        d = root / "events" / cat / ev
+        d.mkdir(parents=True)
+        (d / "format").write_text(text)
+    return root
+
+
+def test_field_names_from_format_file() -> None:
+    names = field_names(SEND_FORMAT)
+    assert {"sk", "family", "protocol", "ret", "flags", "saddr", "name"} <= names
+
+
+def test_missing_tracepoint_and_field_are_reported(tmp_path: Path) -> None:
+    root = _fake_tracefs(tmp_path, {"sock:sock_send_length": SEND_FORMAT})
+    assert check_tracepoint(root, "sock:sock_send_length", ("sk", "ret")).reason is None
+    why = check_tracepoint(root, "sock:sock_send_length", ("sk", "srtt")).reason
+    assert why == "tracepoint sock:sock_send_length lacks field(s) srtt"
+    assert "no tracepoint tcp:tcp_probe" in str(check_tracepoint(root, "tcp:tcp_probe", ()).reason)
+    assert "not mounted" in str(check_tracepoint(None, "tcp:tcp_probe", ()).reason)
+
+
+def test_program_compiles_in_only_what_exists(tmp_path: Path) -> None:
+    root = _fake_tracefs(tmp_path, {"sock:sock_send_length": SEND_FORMAT})
+    prog = build_program(root, families=("tcp", "netdev"), filter_pids=True)
+    assert [tp.name for tp in prog.tracepoints] == ["sock:sock_send_length"]
+    assert "#define SENTINEL_HAVE_sock__sock_send_length 1" in prog.text
+    assert "#define SENTINEL_HAVE_tcp__tcp_probe" not in prog.text
+    assert "#define SENTINEL_FILTER_PIDS 1" in prog.text
+    assert {m.name for m in prog.missing} == {
+        tp.name
+        for tp in TRACEPOINTS
+        if tp.family in ("tcp", "netdev") and tp.name != "sock:sock_send_length"
+    }
+    assert '#include "sentinel.h"' not in prog.text  # inlined once
+    assert "struct flow_key" in prog.text
+
+
+def test_program_text_needs_no_root(tmp_path: Path) -> None:
+    ps = ProbeSet(ProbeConfig(tracefs_root=str(tmp_path), families=("nccl",)))
+    text = ps.program_text()
+    assert "int nccl_all_gather(struct pt_regs *ctx)" in text
+    assert "TRACEPOINT_PROBE" not in text
+
+
+def test_config_rejects_bad_interval_and_family() -> None:
+    ProbeConfig(interval=0.1)
+    with pytest.raises(ValueError):
+        ProbeConfig(interval=0.05)
+    with pytest.raises(ValueError):
+        ProbeConfig(families=("tcp", "udp"))
+
+
+def test_tuples_render_as_ip_port() -> None:
+    v4 = R.make_tuple(2, 5000, 80, socket.inet_aton("198.18.0.1"), socket.inet_aton("198.18.0.2"))
+    assert (v4.src, v4.dst) == ("198.18.0.1:5000", "198.18.0.2:80")
+    v6 = R.make_tuple(10, 1, 2, socket.inet_pton(socket.AF_INET6, "2001:db8::1"), bytes(16))
+    assert (v6.src, v6.dst) == ("[2001:db8::1]:1", "[::]:2")
+
+
+def test_flow_records_are_trace_v1() -> None:
+    tup = R.make_tuple(2, 1, 2, bytes(4), bytes(4))
+    figs = {
+        (7, tup): R.FlowFigures(tx_bytes=10, rx_bytes=3, srtt_us=250, cwnd=10),
+        (8, tup): R.FlowFigures(),  # nothing moved: no record
+    }
+    recs = R.flow_records(figs, t=100.0, dt=1.0, host="h")
+    assert len(recs) == 1
+    assert trace.validate(recs[0]) is None
+    assert recs[0]["srtt_us"] == 250 and recs[0]["pid"] == 7 and "snd_wnd" not in recs[0]
+
+
+def test_netdev_records_restore_link_headers_and_include_idle_devices() -> None:
+    devs = {
+        "fss-x0": R.DevFigures(tx_bytes=1000, rx_bytes=986, tx_packets=1, rx_packets=1),
+        "lo": R.DevFigures(tx_bytes=114, rx_bytes=100, tx_packets=1, rx_packets=1),
+    }
+    types = {"fss-x0": None, "lo": R.ARPHRD_LOOPBACK, "idle0": R.ARPHRD_ETHER}
+    recs = {r["dev"]: r for r in R.netdev_records(devs, ["idle0"], types, 5.0, 1.0, "h")}
+    assert set(recs) == {"fss-x0", "lo", "idle0"}
+    assert (recs["fss-x0"]["tx_bytes"], recs["fss-x0"]["rx_bytes"]) == (1000, 1000)
+    assert (recs["lo"]["tx_bytes"], recs["lo"]["rx_bytes"]) == (100, 100)
+    assert recs["idle0"]["tx_bytes"] == 0 and trace.validate(recs["idle0"]) is None
+
+
+def test_evictions_are_created_minus_harvested() -> None:
+    ev = R.Evictions(created={"flows": 10, "devs": 2})
+    ev.harvest("flows", 7)
+    ev.harvest("devs", 3)  # harvested one created after the stats read
+    assert ev.evicted() == {"flows": 3, "devs": 0}
+
+
+def test_resolve_symbol_takes_default_version() -> None:
+    lib = "/usr/lib/x86_64-linux-gnu/libibverbs.so.1"
+    if not os.path.exists(lib):
+        pytest.skip("libibverbs1 not installed")
+    # ibv_create_qp has a compat @IBVERBS_1.0 and a default @@IBVERBS_1.1
+    # entry; the default one sits next to modify/destroy in the 1.1 code.
+    addrs = {s: resolve_symbol(lib, s) for s in ("ibv_create_qp", "ibv_modify_qp")}
+    assert all(addrs.values())
+    assert abs(addrs["ibv_create_qp"] - addrs["ibv_modify_qp"]) < 0x1000  # type: ignore[operator]
+    assert resolve_symbol(lib, "no_such_function") is None
+    assert resolve_symbol("/nonexistent", "x") is None
+
+
+def test_library_scan_finds_nccl_and_verbs(tmp_path: Path) -> None:
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "maps").write_text(
+        "7f00-7f10 r-xp 00000000 08:01 1 /opt/nv/lib/libnccl.so.2.21.5\n"
+        "7f10-7f20 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libibverbs.so.1.14.44.0\n"
+        "7f20-7f30 r-xp 00000000 08:01 3 /usr/lib/libncurses.so.6\n"
+        "7f30-7f40 rw-p 00000000 00:00 0 [heap]\n"
+    )
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "maps").write_text(
+        "7f00-7f10 r-xp 00000000 08:01 1 /opt/nv/lib/libnccl.so.2.21.5\n"
+    )
+    scan = LibraryScanner(str(tmp_path))
+    found = scan.scan()
+    assert sorted(k for k, _ in found) == ["nccl", "verbs"]
+    assert (
+        "nccl",
+        f"{tmp_path}/41/root/opt/nv/lib/libnccl.so.2.21.5",
+    ) in found or ("nccl", f"{tmp_path}/42/root/opt/nv/lib/libnccl.so.2.21.5") in found
+    assert scan.scan() == []  # nothing new
+
+
+def test_flows_table_fits_80_columns() -> None:
+    rec = {
+        "pid": 4194304,
+        "src": "[2001:db8:aaaa:bbbb::1]:65535",
+        "dst": "255.255.255.255:65535",
+        "tx_bytes": 10**12,
+        "rx_bytes": 10**9,
+        "srtt_us": 123456,
+        "retrans": 12,
+    }
+    lines = flows_cmd.format_table([rec], 0.0)
+    assert all(len(line) < 80 for line in lines), [len(x) for x in lines]
+    assert "123.46" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("capeff", "ok"),
+    [
+        ("0000000000000000", False),
+        (f"{1 << 21:016x}", True),  # CAP_SYS_ADMIN
+        (f"{(1 << 39) | (1 << 38):016x}", True),  # CAP_BPF + CAP_PERFMON
+        (f"{1 << 39:016x}", False),  # CAP_BPF alone cannot attach tracepoints
+    ],
+)
+def test_privileges_follow_effective_capabilities(tmp_path: Path, capeff: str, ok: bool) -> None:
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t{capeff}\n")
+    if ok:
+        check_privileges(str(status))
+    else:
+        with pytest.raises(ProbePermissionError, match="needs root"):
+            check_privileges(str(status))
