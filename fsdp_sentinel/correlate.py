@@ -26,9 +26,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import reduce
+from operator import add, itemgetter, le, sub
 from typing import Any
 
 Record = dict[str, Any]
+
+_SEQ = itemgetter("seq")
+_ISSUE_END = itemgetter("issue", "end")
+_OP = itemgetter("op")
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,7 @@ class _Pair:
         "srtt_us",
         "tx_rate",
         "rx_rate",
+        "view",
     )
 
     def __init__(self) -> None:
@@ -174,6 +181,8 @@ class _Pair:
         self.srtt_us: float | None = None
         self.tx_rate: float | None = None
         self.rx_rate: float | None = None
+        # flow_matrix's figures for these samples; None once they change.
+        self.view: PairFlow | None = None
 
 
 def _ip(endpoint: str) -> str:
@@ -215,6 +224,7 @@ class Correlator:
         self._torn: dict[int, dict[int, float]] = {}  # rank -> peer -> first torn time
         self._self_closed: dict[int, float] = {}
         self._peers: dict[int, set[int]] = {}
+        self._pair_keys: list[tuple[int, int]] | None = None  # sorted(self.pairs), cached
         self.job_done = -1
         self.late_records = 0
         self.unattributed_flows = 0
@@ -262,7 +272,8 @@ class Correlator:
             self.job_done = step
         return rs, step
 
-    def add_coll(self, rec: Record) -> _Rank:
+    def add_coll(self, rec: Record) -> Any:
+        """File a ``coll`` record; return its ``end`` (checked to be a number)."""
         # The hot path: file the record itself (no copy); check the fields the
         # summary will use, so a bad record fails here and not a whole step.
         rank = rec["rank"]
@@ -284,7 +295,7 @@ class Correlator:
         lst.append(rec)
         if end > rs.last_t:
             rs.last_t = end
-        return rs
+        return end
 
     def _local_rank(self, host: str, pid: int) -> int | None:
         r = self._pid_rank.get((host, pid))
@@ -332,6 +343,7 @@ class Correlator:
         pair = self.pairs.get(hit)
         if pair is None:
             pair = self.pairs[hit] = _Pair()
+            self._pair_keys = None
         tx = int(rec["tx_bytes"])
         rx = int(rec["rx_bytes"])
         dt = float(rec["dt"])
@@ -340,6 +352,7 @@ class Correlator:
         t = float(rec["t"])
         samples = pair.samples
         samples.append((t, dt, tx, rx, srtt, retrans))
+        pair.view = None
         # Keep memory flat when no step ever completes (probes, no trainer).
         while samples[0][0] < t - 2 * self.flow_window_s:
             samples.popleft()
@@ -411,10 +424,12 @@ class Correlator:
         # ``(group, seq)`` when records name their group: the same on every
         # member); pass 2 turns the group's longest and shortest wait into
         # each member's lateness. Column lists keep the per-record work small.
-        waits_of: dict[Any, list[float]] = {}
-        per_rank: list[tuple[_Rank, Record | None, list[Record], list[Any], list[float]]] = []
-        for rank in sorted(self.ranks):
-            rs = self.ranks[rank]
+        per_rank: list[
+            tuple[_Rank, Record | None, list[Record], list[Any], list[float], list[Any]]
+        ] = []
+        ranks = self.ranks
+        for rank in sorted(ranks):
+            rs = ranks[rank]
             srec = rs.steps.pop(step, None)
             colls = rs.colls.pop(step, None) or []
             if srec is None and not colls:
@@ -422,33 +437,54 @@ class Correlator:
             if colls and "group" in colls[0]:  # a rank's records all name a group, or none
                 keys: list[Any] = [(str(c.get("group")), c["seq"]) for c in colls]
             else:
-                keys = [c["seq"] for c in colls]
+                keys = list(map(_SEQ, colls))
             if len(set(keys)) != len(keys):  # a datagram delivered twice counts once
                 first: dict[Any, Record] = {}
                 for key, c in zip(keys, colls, strict=True):
                     first.setdefault(key, c)
                 keys, colls = list(first), list(first.values())
-            waits = [c["end"] - c["issue"] for c in colls]
-            for key, w in zip(keys, waits, strict=True):
-                lst = waits_of.get(key)
-                if lst is None:
-                    waits_of[key] = [w]
-                else:
-                    lst.append(w)
-            per_rank.append((rs, srec, colls, keys, waits))
-        span = {k: (max(v), min(v)) for k, v in waits_of.items() if len(v) >= 2}
+            spans = list(map(_ISSUE_END, colls))
+            waits = [e - i for i, e in spans]
+            per_rank.append((rs, srec, colls, keys, waits, spans))
+        # The group's longest and shortest wait at each key. Usually every rank
+        # reported the same collectives in the same order: then the groups are
+        # the columns, no dict needed; otherwise file each wait under its key.
+        with_colls = [p for p in per_rank if p[3]]
+        keys0 = with_colls[0][3] if with_colls else None
+        columns: tuple[list[float], list[float]] | None = None
+        span: dict[Any, tuple[float, float]] = {}
+        if len(with_colls) >= 2 and all(p[3] == keys0 for p in with_colls):
+            cols = list(zip(*[p[4] for p in with_colls], strict=True))
+            columns = (list(map(max, cols)), list(map(min, cols)))
+        else:
+            waits_of: dict[Any, list[float]] = {}
+            for p in with_colls:
+                for key, w in zip(p[3], p[4], strict=True):
+                    lst = waits_of.get(key)
+                    if lst is None:
+                        waits_of[key] = [w]
+                    else:
+                        lst.append(w)
+            span = {k: (max(v), min(v)) for k, v in waits_of.items() if len(v) >= 2}
         out: list[RankStep] = []
-        for rs, srec, colls, keys, waits in per_rank:
+        for rs, srec, colls, keys, waits, spans in per_rank:
             late = 0.0
             matched = last = 0
-            for key, w in zip(keys, waits, strict=True):
-                hit = span.get(key)
-                if hit is not None:
-                    late += hit[0] - w
-                    matched += 1
-                    if w <= hit[1]:
-                        last += 1
-            wait = _merged_length([(c["issue"], c["end"]) for c in colls]) if colls else 0.0
+            if columns is not None:
+                if keys:
+                    # Left to right from 0.0, as the loop below adds: same float.
+                    late = reduce(add, map(sub, columns[0], waits), 0.0)
+                    last = sum(map(le, waits, columns[1]))
+                    matched = len(keys)
+            else:
+                for key, w in zip(keys, waits, strict=True):
+                    hit = span.get(key)
+                    if hit is not None:
+                        late += hit[0] - w
+                        matched += 1
+                        if w <= hit[1]:
+                            last += 1
+            wait = _merged_length(spans) if spans else 0.0
             step_s: float | None = None
             compute: float | None = None
             if srec is not None:
@@ -457,8 +493,7 @@ class Correlator:
                 rs.steps_total += 1
                 rs.step_seconds_total += step_s
             cnt, nbytes, secs = rs.coll_count, rs.coll_bytes, rs.coll_seconds
-            for c, w in zip(colls, waits, strict=True):
-                op = c["op"]
+            for op, c, w in zip(map(_OP, colls), colls, waits, strict=True):
                 if op in cnt:
                     cnt[op] += 1
                     nbytes[op] += c["bytes"]
@@ -511,12 +546,23 @@ class Correlator:
         """Each directed pair's figures over the latest ``flow_window_s`` seconds."""
         horizon = now - self.flow_window_s
         out: list[PairFlow] = []
-        for key in sorted(self.pairs):
-            pair = self.pairs[key]
+        keys = self._pair_keys
+        if keys is None or len(keys) != len(self.pairs):
+            keys = self._pair_keys = sorted(self.pairs)
+        pairs = self.pairs
+        for key in keys:
+            pair = pairs[key]
             samples = pair.samples
             while samples and samples[0][0] < horizon:
                 samples.popleft()
+                pair.view = None
             if not samples:
+                continue
+            # Pairs report about once a second, steps come faster: the same
+            # samples give the same figures, so reuse them until they change.
+            view = pair.view
+            if view is not None:
+                out.append(view)
                 continue
             tx = rx = retrans = 0
             dt = 0.0
@@ -531,17 +577,16 @@ class Correlator:
                     w = stx if stx > 0 else 1
                     wsum += srtt * w
                     wbytes += w
-            out.append(
-                PairFlow(
-                    rank=key[0],
-                    peer=key[1],
-                    tx_bytes=tx,
-                    rx_bytes=rx,
-                    dt=dt,
-                    srtt_us=(wsum / wbytes) if wbytes else None,
-                    retrans=retrans,
-                )
+            view = pair.view = PairFlow(
+                rank=key[0],
+                peer=key[1],
+                tx_bytes=tx,
+                rx_bytes=rx,
+                dt=dt,
+                srtt_us=(wsum / wbytes) if wbytes else None,
+                retrans=retrans,
             )
+            out.append(view)
         return tuple(out)
 
     def liveness(self) -> tuple[RankLiveness, ...]:

@@ -297,8 +297,23 @@ def _network_view(
     total_retrans = sum(p.retrans for p in flows)
     unlocalised: list[int] = []
     sent_share: dict[int, float] = {}
+    # Each rank's active flows in one pass (same order as ``active``), and its
+    # retransmits touching / sent, instead of a scan of every flow per rank.
+    touching: dict[int, list[PairFlow]] = {}
+    for p in active:
+        touching.setdefault(p.rank, []).append(p)
+        if p.peer != p.rank:
+            touching.setdefault(p.peer, []).append(p)
+    re_touch: dict[int, int] = {}
+    re_sent: dict[int, int] = {}
+    if total_retrans:
+        for p in flows:
+            re_touch[p.rank] = re_touch.get(p.rank, 0) + p.retrans
+            if p.peer != p.rank:
+                re_touch[p.peer] = re_touch.get(p.peer, 0) + p.retrans
+            re_sent[p.rank] = re_sent.get(p.rank, 0) + p.retrans
     for r in ranks:
-        touch = [p for p in active if p.rank == r or p.peer == r]
+        touch = touching.get(r)
         if not touch:
             continue
         rest = [p.srtt_us for p in active if p.rank != r and p.peer != r]
@@ -319,8 +334,8 @@ def _network_view(
         top = max(touch, key=lambda p: (p.srtt_us or 0.0, -p.rank, -p.peer))
         worst[r] = top.peer if top.rank == r else top.rank
         if total_retrans:
-            share[r] = sum(p.retrans for p in flows if p.rank == r or p.peer == r) / total_retrans
-            sent_share[r] = sum(p.retrans for p in flows if p.rank == r) / total_retrans
+            share[r] = re_touch.get(r, 0) / total_retrans
+            sent_share[r] = re_sent.get(r, 0) / total_retrans
     # Ranks whose every flow touches them all see the same flows (two ranks):
     # name one, the one whose own sockets are slowest, and say it is a guess.
     suppressed: frozenset[int] = frozenset()
@@ -650,16 +665,21 @@ def _judge_lost(
             if others and max(others) >= lv.last_t + silence:
                 quiet.append(lv)
     ambiguous = False
+    casualties: list[int] = []
     if torn and state.lost:
         torn = []  # the job is already down; later teardown is a consequence
     if len(torn) > 1:
         closers = [lv for lv in torn if lv.self_closed]
         if closers and len(closers) < len(torn):
             torn = closers
-        if len(torn) > 1 and len(torn) >= len([lv for lv in live if lv.rank not in lost]):
-            # Everyone's connections are torn (two ranks): pick the first to go quiet.
-            ambiguous = True
-            torn = [min(torn, key=lambda lv: (lv.torn_t or t, lv.last_t, lv.rank))]
+        if len(torn) > 1:
+            # A lost rank takes its peers down within milliseconds (their
+            # collectives fail and they exit), so several ranks torn in one
+            # judgement are one loss and its casualties: name the first to go.
+            ambiguous = len(torn) >= len([lv for lv in live if lv.rank not in lost])
+            first = min(torn, key=lambda lv: (lv.torn_t or t, lv.last_t, lv.rank))
+            casualties = sorted(lv.rank for lv in torn if lv is not first)
+            torn = [first]
     for lv in torn + quiet:
         lost[lv.rank] = lv.last_t
         ev: dict[str, Any] = {
@@ -670,6 +690,8 @@ def _judge_lost(
         }
         if lv in quiet:
             ev["others_continued"] = True
+        elif casualties:
+            ev["casualties"] = casualties
         if ambiguous:
             ev["unsure"] = "every rank lost its connections at once: picked the first to go quiet"
         out.append(

@@ -64,7 +64,6 @@ class Pipeline:
         self._handlers: dict[str, Callable[[Record], list[Record]]] = {
             "rank": self._on_rank,
             "step": self._on_step,
-            "coll": self._on_coll,
             "flow": self._on_flow,
             "netdev": self._on_clock,
             "conn": self._on_conn,
@@ -75,8 +74,25 @@ class Pipeline:
     def feed(self, rec: Record) -> list[Record]:
         """File one record; return the verdict records it caused (usually none)."""
         kind: str = rec.get("kind")  # type: ignore[assignment]
-        handler = self._handlers.get(kind)
         totals = self.records_total
+        if kind == "coll":
+            # The hot path (most records): the coll handler and the clock
+            # update inlined, the same checks in the same order, fewer calls.
+            totals["coll"] = totals.get("coll", 0) + 1
+            try:
+                if rec["step"] <= self._done:
+                    self._late += 1
+                    return []
+                end = self._add_coll(rec)
+                if end > self.now:
+                    self.now = float(end)
+                    if end >= self._next_tick:
+                        return self._advance(end)
+                return []
+            except (KeyError, TypeError, ValueError, AttributeError):
+                self._malformed += 1
+                return []
+        handler = self._handlers.get(kind)
         if handler is None:
             key = kind if kind in PASSIVE_KINDS else "other"
             totals[key] = totals.get(key, 0) + 1
@@ -224,13 +240,6 @@ class Pipeline:
     def _on_conn(self, rec: Record) -> list[Record]:
         self.corr.add_conn(rec)
         return self._advance(float(rec["t"]))
-
-    def _on_coll(self, rec: Record) -> list[Record]:
-        if rec["step"] <= self._done:
-            self._late += 1
-            return []
-        self._add_coll(rec)
-        return self._clock_to(rec["end"])
 
     def _on_step(self, rec: Record) -> list[Record]:
         step = rec["step"]

@@ -56,6 +56,10 @@ def test_golden_trace_with_one_rank_shifted_20ms_gives_the_same_verdicts(path: P
     assert a == b
 
 
+# lab-*: captures whose recorded verdicts come from the current detector.
+# regress-*: real lab captures kept because the detector once got them wrong
+# (the verdicts recorded in them are the old, wrong ones), so only their
+# truth is checked, by the tests above.
 LIVE = [p for p in GOLDEN if p.name.startswith("lab-")]
 
 

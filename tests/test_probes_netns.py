@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.root, pytest.mark.lab]
 N = 23 * 1024 * 1024 + 7
 PORT = 47001
 FRAME = 1514
+GSO_MAX = 65536 + 14  # the largest (GSO) packet one skipped event can hide
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,7 @@ def test_transfer_across_namespaces(lab: ProbeSet) -> None:
         rcv.expect("listening")
         lab.poll()
         before = {DEV_A: proc_net_dev(DEV_A, NS_A), DEV_B: proc_net_dev(DEV_B, NS_B)}
+        missed_before = lab.missed_events()
         recs: list[dict] = []
         snd = Peer("send", ADDR_B, str(PORT), str(N), netns=NS_A)
         cport = snd.expect("port")
@@ -88,16 +90,25 @@ def test_transfer_across_namespaces(lab: ProbeSet) -> None:
     assert abs(rx - ss_s.num("bytes_received")) <= 0.005 * N
     pids = {r["pid"] for r in recs if r["kind"] == "flow" and r["src"] == client}
     assert pids == {snd.pid}
+    missed = lab.missed_events()
+    skipped = {k: missed.get(k, 0) - missed_before.get(k, 0) for k in missed}
     for dev in (DEV_A, DEV_B):
         want_rx = after[dev][0] - before[dev][0]
         want_tx = after[dev][1] - before[dev][1]
         got_rx, got_tx = _dev(recs, dev)
-        # Skipped events (another BPF tool busy on the CPU) would show here.
         # One frame of slack: a window update may leave between the last
         # poll and the /proc read, on a direction that carries only ACKs.
-        why = (dev, got_tx, want_tx, got_rx, want_rx, lab.missed_events())
-        assert abs(got_tx - want_tx) <= 0.01 * want_tx + FRAME, why
-        assert abs(got_rx - want_rx) <= 0.01 * want_rx + FRAME, why
+        # Classic tracepoints are skipped while any BPF map syscall (our own
+        # poll's included) holds the CPU; the kernel counts each skip, so a
+        # shortfall beyond 1 % must be explained by those counted skips, at
+        # most one GSO packet (64 KiB + header) each. Never an overcount.
+        why = (dev, got_tx, want_tx, got_rx, want_rx, skipped)
+        tx_skips = skipped.get("tracepoint__net__net_dev_xmit", 0)
+        rx_skips = skipped.get("tracepoint__net__netif_receive_skb", 0)
+        assert got_tx <= want_tx + FRAME, why
+        assert got_rx <= want_rx + FRAME, why
+        assert want_tx - got_tx <= 0.01 * want_tx + FRAME + tx_skips * GSO_MAX, why
+        assert want_rx - got_rx <= 0.01 * want_rx + FRAME + rx_skips * GSO_MAX, why
 
 
 def test_srtt_matches_ss_on_shaped_link(lab: ProbeSet) -> None:

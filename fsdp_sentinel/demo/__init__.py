@@ -32,7 +32,7 @@ DESCRIPTION = (
 EPILOG = """examples:
   fsdp-sentinel demo                          # slow-link, 4 ranks, ~2 minutes
   fsdp-sentinel demo --scenario slow-compute --out out/slow-compute
-  fsdp-sentinel demo --scenario slow-link --fault-steps 1   # transient: not flagged
+  fsdp-sentinel demo --scenario slow-link --fault-seconds 0.3  # transient: not flagged
   fsdp-sentinel demo --scenario packet-loss --remediate dry-run
 
 Exit status 0 when the run worked (whatever was found), 1 when it did not.
@@ -82,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_nonneg,
         metavar="K",
         help="steps the fault lasts (0: to the end); below the detector's persistence it is transient",
+    )
+    f.add_argument(
+        "--fault-seconds",
+        type=_seconds,
+        metavar="S",
+        help="clear the fault S seconds after its onset: a transient spike (overrides --fault-steps)",
     )
     f.add_argument("--victim", type=_nonneg, metavar="RANK", help="the rank that gets the fault")
     m = p.add_argument_group("lab and job")
@@ -158,6 +164,7 @@ def main(args: argparse.Namespace) -> int:
         steps=args.steps,
         onset=args.onset,
         fault_steps=args.fault_steps,
+        fault_seconds=args.fault_seconds,
         victim=args.victim,
         remediate=args.remediate,
         out=args.out,

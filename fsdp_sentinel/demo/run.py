@@ -40,6 +40,10 @@ class DemoConfig:
     steps: int | None = None  # None: the scenario's
     onset: int | None = None
     fault_steps: int | None = None  # None: the scenario's; 0: to the end
+    # A transient spike: clear the fault this many seconds after its onset.
+    # Wall time, not steps: the step count the demo follows lags the job by up
+    # to two steps, so "one step" of fault could really cover two or three.
+    fault_seconds: float | None = None
     victim: int | None = None
     remediate: str = "off"
     out: Path = Path("out/demo")
@@ -68,7 +72,9 @@ class DemoConfig:
         return self.plan.onset if self.onset is None else self.onset
 
     def duration(self) -> int | None:
-        """Steps the fault lasts (None: to the end)."""
+        """Steps the fault lasts (None: to the end); a timed fault counts as one."""
+        if self.fault_seconds is not None:
+            return 1
         if self.fault_steps is not None:
             return self.fault_steps or None
         return self.plan.duration  # type: ignore[no-any-return]
@@ -140,7 +146,8 @@ class _FaultDriver:
         make = cfg.plan.make
         self.fault = make(cfg.victim_rank()) if make is not None else None
         self.onset = cfg.onset_step()
-        self.duration = cfg.duration()
+        self.duration = None if cfg.fault_seconds is not None else cfg.duration()
+        self.seconds = cfg.fault_seconds
         self.injected_at: float | None = None
         self.active = False
         self.records: list[dict[str, Any]] = []
@@ -168,6 +175,16 @@ class _FaultDriver:
             self.progress.note(f"{rec['what']} on rank {rec['rank']}")
         elif self.active and self.duration is not None and step >= self.onset + self.duration:
             self.clear(step)
+
+    def on_time(self, now: float) -> float | None:
+        """Clear a timed fault when its time is up; seconds until then, or None."""
+        if not self.active or self.seconds is None or self.injected_at is None:
+            return None
+        left = self.injected_at + self.seconds - now
+        if left <= 0:
+            self.clear(None)
+            return None
+        return left
 
     def clear(self, step: int | None) -> None:
         if not self.active or self.fault is None:
@@ -210,6 +227,7 @@ def _follow(
                         progress.event(f"rank {r.rank} cleared at step {r.step}")
                     flagged[r.rank] = state
         driver.on_step(step)
+        left = driver.on_time(time.monotonic())
         if all(p.poll() is not None for p in procs):
             return
         if not daemon.alive():
@@ -222,7 +240,11 @@ def _follow(
         if time.monotonic() > deadline:
             problems.append(f"the job had not finished after {timeout:.0f} s; stopped it")
             return
-        time.sleep(0.5)
+        if left is not None and left < 0.5:
+            time.sleep(max(left, 0.0))
+            driver.on_time(time.monotonic())
+        else:
+            time.sleep(0.5)
 
 
 def _linger(daemon: DaemonProcess, seconds: float, progress: Progress) -> None:

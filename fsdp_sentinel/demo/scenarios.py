@@ -135,7 +135,7 @@ QUICK_RUNS: dict[str, list[str]] = {
     "clean": ["--scenario", "clean", "--steps", "10"],
     "slow-link": ["--scenario", "slow-link", "--steps", "15", "--onset", "6", "--fault-steps", "6"],
     "slow-link-transient": [
-        "--scenario", "slow-link", "--steps", "10", "--onset", "6", "--fault-steps", "1",
+        "--scenario", "slow-link", "--steps", "10", "--onset", "6", "--fault-seconds", "0.3",
     ],
     "noisy-neighbor": [
         "--scenario", "noisy-neighbor", "--steps", "15", "--onset", "6", "--fault-steps", "6",
