@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 OUT    ?= out
 
-.PHONY: setup demo test lint typecheck pytest bench clean lab-down
+.PHONY: setup demo test lint typecheck pytest clean lab-down
 
 setup:
 	@bash scripts/setup.sh
@@ -22,9 +22,6 @@ pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
-
-bench: setup
-	@echo "see BENCHMARKS.md for each benchmark's command"
 
 lab-down: setup
 	$(PY) -m fsdp_sentinel lab down

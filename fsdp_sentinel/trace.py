@@ -265,31 +265,23 @@ class TraceReader:
                         )
                         self._bad(name, lineno, why)
                         continue
-                    if type(rec) is not dict:
-                        self._bad(name, lineno, "record is not a JSON object")
-                        continue
-                    kind = rec.get("kind")
+                    kind = rec.get("kind") if type(rec) is dict else None
                     need = required.get(kind) if type(kind) is str else None
-                    if need is None:
-                        if type(kind) is not str:
-                            self._bad(name, lineno, "record has no string 'kind'")
+                    if need is not None and rec.keys() >= need:
+                        if kind == "header" and rec.get("format") != FORMAT:
+                            self._bad(
+                                name, lineno, f"not an {FORMAT} header: {rec.get('format')!r}"
+                            )
                             continue
+                        yield rec
+                        continue
+                    reason = validate(rec)  # the slow path: say what is wrong
+                    if reason is None:
                         # Unknown kind: readers ignore it, but pass it on;
                         # consumers dispatch on kind and drop what they do not know.
                         yield rec
-                        continue
-                    if not rec.keys() >= need:
-                        miss = [x for x in REQUIRED[str(kind)] if x not in rec]
-                        self._bad(
-                            name,
-                            lineno,
-                            f"{kind} record missing required field(s): {', '.join(miss)}",
-                        )
-                        continue
-                    if kind == "header" and rec.get("format") != FORMAT:
-                        self._bad(name, lineno, f"not an {FORMAT} header: {rec.get('format')!r}")
-                        continue
-                    yield rec
+                    else:
+                        self._bad(name, lineno, reason)
             finally:
                 self.lines = lineno
 

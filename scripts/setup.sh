@@ -46,11 +46,13 @@ if [ ${#missing[@]} -gt 0 ]; then
             || { cat /tmp/fsdp-sentinel-apt.log; exit 1; }
     fi
     # prometheus' Debian package starts a system service; the tests start
-    # their own server on a free port, so keep the machine as it was.
-    if command -v systemctl >/dev/null && systemctl is-active -q prometheus 2>/dev/null; then
-        systemctl stop prometheus || true
+    # their own server on a free port. Stop only the one this install started.
+    if [[ " ${missing[*]} " == *" prometheus "* ]]; then
+        if command -v systemctl >/dev/null && systemctl is-active -q prometheus 2>/dev/null; then
+            systemctl stop prometheus || true
+        fi
+        pkill -x -u prometheus prometheus 2>/dev/null || true
     fi
-    pkill -x prometheus 2>/dev/null || true
 fi
 
 # --- kernel headers for bcc -------------------------------------------------

@@ -72,9 +72,7 @@ class DemoConfig:
         return self.plan.onset if self.onset is None else self.onset
 
     def duration(self) -> int | None:
-        """Steps the fault lasts (None: to the end); a timed fault counts as one."""
-        if self.fault_seconds is not None:
-            return 1
+        """Steps the fault lasts (None: to the end); see fault_seconds for timed faults."""
         if self.fault_steps is not None:
             return self.fault_steps or None
         return self.plan.duration  # type: ignore[no-any-return]
@@ -331,7 +329,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
 def _finish(cfg: DemoConfig, result: DemoResult) -> None:
     """Truth file, report and summary from the trace the daemon wrote."""
-    from fsdp_sentinel.demo.outcome import judge, summary_lines, truth
+    from fsdp_sentinel.demo.outcome import fault_steps, judge, summary_lines, truth
     from fsdp_sentinel.detect import DetectConfig
     from fsdp_sentinel.report import load, write_report
 
@@ -341,7 +339,13 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
         return
     data = load([result.trace], strict=False)
     dc = DetectConfig()
-    transient = cfg.plan.what is not None and is_transient(cfg.duration(), dc.window, dc.flag_after)
+    if cfg.fault_seconds is None:
+        duration = cfg.duration()
+    else:  # a timed fault: the steps it really covered, from the trace
+        spans = [fault_steps(data, f) for f in data.faults]
+        ends = [(on, end) for on, end in spans if on is not None and end is not None]
+        duration = max((end - on + 1 for on, end in ends), default=None)
+    transient = cfg.plan.what is not None and is_transient(duration, dc.window, dc.flag_after)
     result.truth = truth(
         data,
         scenario=cfg.scenario,
