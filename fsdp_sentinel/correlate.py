@@ -24,21 +24,28 @@ This module does no I/O and keeps no clock: the caller says what time it is.
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass
 from functools import reduce
-from operator import add, itemgetter, le, sub
-from typing import Any
+from itertools import chain, compress, islice, repeat
+from operator import add, eq, gt, itemgetter, le, sub
+from typing import Any, NamedTuple
 
 Record = dict[str, Any]
 
 _SEQ = itemgetter("seq")
-_ISSUE_END = itemgetter("issue", "end")
+_ISSUE = itemgetter("issue")
+_END = itemgetter("end")
 _OP = itemgetter("op")
+_BYTES = itemgetter("bytes")
+_FOLD_STEPS = 8  # steps of per-op totals added up at once (few: their records are held till then)
+
+# The summaries below are NamedTuples, not frozen dataclasses: one step builds
+# dozens of them, and a tuple is built several times faster (replay is bound by
+# exactly this kind of per-step work). They are just as immutable.
 
 
-@dataclass(frozen=True)
-class RankStep:
+class RankStep(NamedTuple):
     """One rank in one step.
 
     ``step_s`` is ``end - start`` of its step record (None when that record was
@@ -59,8 +66,7 @@ class RankStep:
     n_coll: int
 
 
-@dataclass(frozen=True)
-class PairFlow:
+class PairFlow(NamedTuple):
     """Traffic ``rank`` -> ``peer`` as ``rank``'s sockets saw it over ``dt`` seconds.
 
     ``srtt_us`` is weighted by bytes sent (None when no flow reported one).
@@ -75,8 +81,7 @@ class PairFlow:
     retrans: int
 
 
-@dataclass(frozen=True)
-class RankLiveness:
+class RankLiveness(NamedTuple):
     """When a rank was last heard from and what happened to its connections.
 
     ``last_t``: time of its latest hook record (step/coll/rank) on its own
@@ -95,8 +100,7 @@ class RankLiveness:
     self_closed: bool
 
 
-@dataclass(frozen=True)
-class Summary:
+class Summary(NamedTuple):
     """What the detector sees at time ``t``.
 
     ``step`` is the job step these ``ranks`` summarise, or None for a clock
@@ -133,9 +137,10 @@ class _Rank:
         "last",
         "steps_total",
         "step_seconds_total",
-        "coll_count",
-        "coll_bytes",
-        "coll_seconds",
+        "_op_count",
+        "_op_bytes",
+        "_op_seconds",
+        "_op_pending",
     )
 
     def __init__(self, rank: int) -> None:
@@ -153,9 +158,66 @@ class _Rank:
         self.last: RankStep | None = None
         self.steps_total = 0
         self.step_seconds_total = 0.0
-        self.coll_count: dict[str, int] = {}
-        self.coll_bytes: dict[str, int] = {}
-        self.coll_seconds: dict[str, float] = {}
+        self._op_count: dict[str, int] = {}
+        self._op_bytes: dict[str, int] = {}
+        self._op_seconds: dict[str, float] = {}
+        # Summarised steps' columns not yet added to the per-op totals: adding
+        # many steps at once is a few C-level passes instead of a few per step.
+        self._op_pending: list[_Columns] = []
+
+    # Per-op totals of summarised collectives (the exporter's counters).
+    @property
+    def coll_count(self) -> dict[str, int]:
+        self.fold_ops()
+        return self._op_count
+
+    @property
+    def coll_bytes(self) -> dict[str, int]:
+        self.fold_ops()
+        return self._op_bytes
+
+    @property
+    def coll_seconds(self) -> dict[str, float]:
+        self.fold_ops()
+        return self._op_seconds
+
+    def fold_ops(self) -> None:
+        """Add the summarised steps' collectives to the per-op totals, in bulk."""
+        pending = self._op_pending
+        if not pending:
+            return
+        self._op_pending = []
+        colls = list(chain.from_iterable(c.colls for c in pending))
+        waits = list(chain.from_iterable(c.waits for c in pending))
+        ops = list(map(_OP, colls))
+        nbytes = list(map(_BYTES, colls))
+        try:
+            uniq = dict.fromkeys(ops)  # first-seen order, as the counters were created
+            sum(nbytes)  # numbers, or TypeError
+        except TypeError:
+            # A bad op or byte count (never from our hooks): it still counted
+            # as a collective when summarised; here only its bytes are dropped.
+            ops = list(map(str, ops))
+            nbytes = [b if type(b) in (int, float) else 0 for b in nbytes]
+            uniq = dict.fromkeys(ops)
+        cnt, nb, secs = self._op_count, self._op_bytes, self._op_seconds
+        for op in uniq:
+            if len(uniq) == 1:
+                n, b, w = len(ops), sum(nbytes), reduce(add, waits, 0.0)
+            else:
+                mask = list(map(eq, ops, repeat(op)))
+                n = sum(mask)
+                b = sum(compress(nbytes, mask))
+                w = reduce(add, compress(waits, mask), 0.0)
+            key = str(op)
+            if key in cnt:
+                cnt[key] += n
+                nb[key] += b
+                secs[key] += w
+            else:
+                cnt[key] = n
+                nb[key] = int(b)
+                secs[key] = w
 
 
 class _Pair:
@@ -205,6 +267,62 @@ def _merged_length(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_b - cur_a)
 
 
+def _as_index(name: str, value: Any) -> int:
+    """``value`` as a rank or step number: an integer (not a bool), or TypeError."""
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+class _Columns(NamedTuple):
+    """One rank's collectives in one step, a list per field (duplicates dropped).
+
+    ``colls`` are the records themselves, kept until their ops and bytes are
+    added to the rank's totals (:meth:`_Rank.fold_ops`).
+    """
+
+    colls: list[Record]
+    keys: list[Any]
+    issues: list[Any]
+    ends: list[Any]
+    waits: list[float]
+    total_wait: float  # sum of ``waits``, added left to right
+
+
+def _columns(colls: list[Record]) -> _Columns:
+    """Columns of ``colls``; raises (KeyError, TypeError) on a bad record."""
+    if "group" in colls[0]:  # a rank's records all name a group, or none
+        keys: list[Any] = [(str(c.get("group")), c["seq"]) for c in colls]
+    else:
+        keys = list(map(_SEQ, colls))
+    if len(set(keys)) != len(keys):  # a datagram delivered twice counts once
+        first: dict[Any, Record] = {}
+        for key, c in zip(keys, colls, strict=True):
+            first.setdefault(key, c)
+        keys, colls = list(first), list(first.values())
+    issues = list(map(_ISSUE, colls))
+    ends = list(map(_END, colls))
+    waits = list(map(sub, ends, issues))  # TypeError unless both are numbers
+    return _Columns(colls, keys, issues, ends, waits, reduce(add, waits, 0.0))
+
+
+def _coll_ok(rec: Record) -> bool:
+    try:
+        _columns([rec])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def _blocked(cols: _Columns) -> float:
+    """Time blocked in collectives: the length of the union of their intervals."""
+    # A rank's collectives usually run one after another: then the union is
+    # the plain sum of the waits, added left to right as the merge would.
+    if min(cols.waits) >= 0.0 and all(map(gt, islice(cols.issues, 1, None), cols.ends)):
+        return cols.total_wait
+    return _merged_length(list(zip(cols.issues, cols.ends, strict=True)))
+
+
 class Correlator:
     """Files records by rank and step; builds :class:`Summary` objects on demand.
 
@@ -225,8 +343,11 @@ class Correlator:
         self._self_closed: dict[int, float] = {}
         self._peers: dict[int, set[int]] = {}
         self._pair_keys: list[tuple[int, int]] | None = None  # sorted(self.pairs), cached
+        self._matrix: tuple[PairFlow, ...] | None = None  # flow_matrix's last answer
+        self._matrix_oldest = math.inf  # its oldest sample's time
         self.job_done = -1
         self.late_records = 0
+        self.malformed = 0  # coll records dropped at summary time for a bad field
         self.unattributed_flows = 0
 
     # ------------------------------------------------------------ per record
@@ -273,28 +394,31 @@ class Correlator:
         return rs, step
 
     def add_coll(self, rec: Record) -> Any:
-        """File a ``coll`` record; return its ``end`` (checked to be a number)."""
-        # The hot path: file the record itself (no copy); check the fields the
-        # summary will use, so a bad record fails here and not a whole step.
+        """File a ``coll`` record under its rank and step; return its ``end``.
+
+        The hot path of the whole pipeline (most records are ``coll``): the
+        record itself is filed, not a copy, and only ``end`` (the clock) and
+        the filing keys are checked here. The fields the summary reads are
+        checked there, a whole step's columns at a time (:func:`_columns`),
+        where a bad record is dropped alone and counted in ``malformed``.
+        """
+        end = rec["end"]
         rank = rec["rank"]
         rs = self.ranks.get(rank)
         if rs is None:
-            rs = self.rank_of(int(rank))
+            rs = self.rank_of(_as_index("rank", rank))
+        if end > rs.last_t:  # a number, or TypeError before anything is filed
+            rs.last_t = end
         step = rec["step"]
-        end = rec["end"]
-        end - rec["issue"]  # noqa: B018 - both numbers, or TypeError now
-        rec["seq"]  # noqa: B018
         lst = rs.colls.get(step)
         if lst is None:
-            step = int(step)
+            step = _as_index("step", step)
             lst = rs.colls[step] = []
             if step > rs.max_coll_step:
                 rs.max_coll_step = step
             if rs.first_step is None or step < rs.first_step:
                 rs.first_step = step
         lst.append(rec)
-        if end > rs.last_t:
-            rs.last_t = end
         return end
 
     def _local_rank(self, host: str, pid: int) -> int | None:
@@ -353,6 +477,7 @@ class Correlator:
         samples = pair.samples
         samples.append((t, dt, tx, rx, srtt, retrans))
         pair.view = None
+        self._matrix = None
         # Keep memory flat when no step ever completes (probes, no trainer).
         while samples[0][0] < t - 2 * self.flow_window_s:
             samples.popleft()
@@ -420,46 +545,34 @@ class Correlator:
 
     def step_summary(self, step: int, now: float) -> Summary:
         """Summarise ``step`` across ranks and forget its records."""
-        # Pass 1 files each collective's wait under its group key (``seq``, or
-        # ``(group, seq)`` when records name their group: the same on every
-        # member); pass 2 turns the group's longest and shortest wait into
-        # each member's lateness. Column lists keep the per-record work small.
-        per_rank: list[
-            tuple[_Rank, Record | None, list[Record], list[Any], list[float], list[Any]]
-        ] = []
+        # Each rank's collectives become columns (keys, issue, end, wait, op,
+        # bytes) in a few C-level passes; lateness needs, per collective, the
+        # longest and shortest wait in its group (the same key on every member).
+        per_rank: list[tuple[_Rank, Record | None, _Columns | None]] = []
         ranks = self.ranks
         for rank in sorted(ranks):
             rs = ranks[rank]
             srec = rs.steps.pop(step, None)
-            colls = rs.colls.pop(step, None) or []
+            colls = rs.colls.pop(step, None)
             if srec is None and not colls:
                 continue
-            if colls and "group" in colls[0]:  # a rank's records all name a group, or none
-                keys: list[Any] = [(str(c.get("group")), c["seq"]) for c in colls]
-            else:
-                keys = list(map(_SEQ, colls))
-            if len(set(keys)) != len(keys):  # a datagram delivered twice counts once
-                first: dict[Any, Record] = {}
-                for key, c in zip(keys, colls, strict=True):
-                    first.setdefault(key, c)
-                keys, colls = list(first), list(first.values())
-            spans = list(map(_ISSUE_END, colls))
-            waits = [e - i for i, e in spans]
-            per_rank.append((rs, srec, colls, keys, waits, spans))
-        # The group's longest and shortest wait at each key. Usually every rank
-        # reported the same collectives in the same order: then the groups are
-        # the columns, no dict needed; otherwise file each wait under its key.
-        with_colls = [p for p in per_rank if p[3]]
-        keys0 = with_colls[0][3] if with_colls else None
-        columns: tuple[list[float], list[float]] | None = None
+            per_rank.append((rs, srec, self._columns(colls) if colls else None))
+        # Usually every rank reported the same collectives in the same order:
+        # then the groups are the columns, no dict needed; otherwise file each
+        # wait under its key.
+        with_colls = [c for _, _, c in per_rank if c is not None]
+        keys0 = with_colls[0].keys if with_colls else None
+        columns: tuple[float, list[float]] | None = None
         span: dict[Any, tuple[float, float]] = {}
-        if len(with_colls) >= 2 and all(p[3] == keys0 for p in with_colls):
-            cols = list(zip(*[p[4] for p in with_colls], strict=True))
-            columns = (list(map(max, cols)), list(map(min, cols)))
+        if len(with_colls) >= 2 and all(c.keys == keys0 for c in with_colls):
+            by_coll = list(zip(*[c.waits for c in with_colls], strict=True))
+            longest = list(map(max, by_coll))
+            # Lateness = sum(longest wait - own wait) = sum(longest) - sum(own).
+            columns = (reduce(add, longest, 0.0), list(map(min, by_coll)))
         else:
             waits_of: dict[Any, list[float]] = {}
-            for p in with_colls:
-                for key, w in zip(p[3], p[4], strict=True):
+            for c in with_colls:
+                for key, w in zip(c.keys, c.waits, strict=True):
                     lst = waits_of.get(key)
                     if lst is None:
                         waits_of[key] = [w]
@@ -467,24 +580,31 @@ class Correlator:
                         lst.append(w)
             span = {k: (max(v), min(v)) for k, v in waits_of.items() if len(v) >= 2}
         out: list[RankStep] = []
-        for rs, srec, colls, keys, waits, spans in per_rank:
+        for rs, srec, cols in per_rank:
             late = 0.0
             matched = last = 0
-            if columns is not None:
-                if keys:
-                    # Left to right from 0.0, as the loop below adds: same float.
-                    late = reduce(add, map(sub, columns[0], waits), 0.0)
+            wait = 0.0
+            n_coll = 0
+            if cols is not None:
+                waits = cols.waits
+                n_coll = len(waits)
+                if columns is not None:
+                    late = max(0.0, columns[0] - cols.total_wait)
                     last = sum(map(le, waits, columns[1]))
-                    matched = len(keys)
-            else:
-                for key, w in zip(keys, waits, strict=True):
-                    hit = span.get(key)
-                    if hit is not None:
-                        late += hit[0] - w
-                        matched += 1
-                        if w <= hit[1]:
-                            last += 1
-            wait = _merged_length(spans) if spans else 0.0
+                    matched = n_coll
+                else:
+                    for key, w in zip(cols.keys, waits, strict=True):
+                        hit = span.get(key)
+                        if hit is not None:
+                            late += hit[0] - w
+                            matched += 1
+                            if w <= hit[1]:
+                                last += 1
+                wait = _blocked(cols)
+                pending = rs._op_pending
+                pending.append(cols)
+                if len(pending) >= _FOLD_STEPS:
+                    rs.fold_ops()
             step_s: float | None = None
             compute: float | None = None
             if srec is not None:
@@ -492,26 +612,15 @@ class Correlator:
                 compute = max(0.0, step_s - wait)
                 rs.steps_total += 1
                 rs.step_seconds_total += step_s
-            cnt, nbytes, secs = rs.coll_count, rs.coll_bytes, rs.coll_seconds
-            for op, c, w in zip(map(_OP, colls), colls, waits, strict=True):
-                if op in cnt:
-                    cnt[op] += 1
-                    nbytes[op] += c["bytes"]
-                    secs[op] += w
-                else:
-                    op = str(op)
-                    cnt[op] = 1
-                    nbytes[op] = int(c["bytes"])
-                    secs[op] = w
             rstep = RankStep(
-                rank=rs.rank,
-                step_s=step_s,
-                wait_s=wait,
-                compute_s=compute,
-                late_s=late,
-                last_frac=(last / matched) if matched else 0.0,
-                matched=matched,
-                n_coll=len(colls),
+                rs.rank,
+                step_s,
+                wait,
+                compute,
+                late,
+                (last / matched) if matched else 0.0,
+                matched,
+                n_coll,
             )
             rs.last = rstep
             out.append(rstep)
@@ -525,6 +634,15 @@ class Correlator:
                 for old in [s for s in rs.colls if s < step]:
                     self.late_records += len(rs.colls.pop(old))
         return self._summary(now, step, tuple(out))
+
+    def _columns(self, colls: list[Record]) -> _Columns | None:
+        """``colls`` as columns; records with a missing or ill-typed field dropped."""
+        try:
+            return _columns(colls)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            good = [c for c in colls if _coll_ok(c)]
+            self.malformed += len(colls) - len(good)
+            return _columns(good) if good else None
 
     def tick_summary(self, now: float) -> Summary:
         return self._summary(now, None, ())
@@ -545,7 +663,13 @@ class Correlator:
     def flow_matrix(self, now: float) -> tuple[PairFlow, ...]:
         """Each directed pair's figures over the latest ``flow_window_s`` seconds."""
         horizon = now - self.flow_window_s
+        # Steps come faster than flow samples: while no sample arrived and none
+        # aged out, the matrix is the one already built (the very same tuple,
+        # which also lets the detector reuse what it derived from it).
+        if self._matrix is not None and horizon <= self._matrix_oldest:
+            return self._matrix
         out: list[PairFlow] = []
+        oldest = math.inf
         keys = self._pair_keys
         if keys is None or len(keys) != len(self.pairs):
             keys = self._pair_keys = sorted(self.pairs)
@@ -558,6 +682,8 @@ class Correlator:
                 pair.view = None
             if not samples:
                 continue
+            if samples[0][0] < oldest:
+                oldest = samples[0][0]
             # Pairs report about once a second, steps come faster: the same
             # samples give the same figures, so reuse them until they change.
             view = pair.view
@@ -578,32 +704,30 @@ class Correlator:
                     wsum += srtt * w
                     wbytes += w
             view = pair.view = PairFlow(
-                rank=key[0],
-                peer=key[1],
-                tx_bytes=tx,
-                rx_bytes=rx,
-                dt=dt,
-                srtt_us=(wsum / wbytes) if wbytes else None,
-                retrans=retrans,
+                key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans
             )
             out.append(view)
-        return tuple(out)
+        self._matrix = matrix = tuple(out)
+        self._matrix_oldest = oldest
+        return matrix
 
     def liveness(self) -> tuple[RankLiveness, ...]:
         out = []
-        for rank in sorted(self.ranks):
-            rs = self.ranks[rank]
-            torn = self._torn.get(rank, {})
+        ranks, torn_of, peers_of, closed = self.ranks, self._torn, self._peers, self._self_closed
+        for rank in sorted(ranks):
+            rs = ranks[rank]
+            torn = torn_of.get(rank)
+            peers = peers_of.get(rank)
             out.append(
                 RankLiveness(
-                    rank=rank,
-                    host=rs.host,
-                    last_t=rs.last_t,
-                    done_step=rs.done_step,
-                    torn_peers=len(torn),
-                    peers=len(self._peers.get(rank, ())),
-                    torn_t=min(torn.values()) if torn else None,
-                    self_closed=rank in self._self_closed,
+                    rank,
+                    rs.host,
+                    rs.last_t,
+                    rs.done_step,
+                    len(torn) if torn else 0,
+                    len(peers) if peers else 0,
+                    min(torn.values()) if torn else None,
+                    rank in closed,
                 )
             )
         return tuple(out)

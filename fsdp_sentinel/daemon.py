@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,7 +82,7 @@ class ProbeSource(Protocol):
 class PipelineLike(Protocol):
     """What the daemon needs of :class:`fsdp_sentinel.pipeline.Pipeline`."""
 
-    def feed(self, rec: Record) -> list[Record]: ...
+    def feed(self, rec: Record) -> Sequence[Record]: ...
     def snapshot(self) -> Snapshot: ...
 
 

@@ -29,16 +29,21 @@ clean ones, so a one-step spike (a GC pause, a burst of jitter) never is.
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from itertools import repeat
+from operator import attrgetter, sub
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import tomllib
 
 from fsdp_sentinel.correlate import PairFlow, RankLiveness, RankStep, Summary
 
 CAUSES = ("compute", "network", "rank_lost")
+
+_SRTT = attrgetter("srtt_us")
 
 
 @dataclass(frozen=True)
@@ -136,8 +141,7 @@ class DetectConfig:
         return replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class RankTrack:
+class RankTrack(NamedTuple):
     """One rank's rolling figures between reports (part of :class:`DetectState`)."""
 
     rel: tuple[float, ...] = ()
@@ -164,10 +168,12 @@ class DetectState:
     rel_noise: tuple[float, ...] = ()
     rel_lag: tuple[tuple[bool, tuple[float, ...]], ...] = ()
     lost: dict[int, float] = field(default_factory=dict)
+    # The last flow matrix's network view, reused while the matrix and what it
+    # was judged with are unchanged (steps come faster than flow samples).
+    net_memo: tuple[Any, ...] = ()
 
 
-@dataclass(frozen=True)
-class RankScore:
+class RankScore(NamedTuple):
     """One rank's scores in one report.
 
     ``relative``: median over the last ``window`` steps of its lateness beyond
@@ -199,8 +205,7 @@ class RankScore:
     cause: str | None
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(NamedTuple):
     """The detector's answer to one summary.
 
     ``job_step_s``: median step time over ranks in this step;
@@ -221,11 +226,41 @@ class Report:
     state: DetectState
 
 
+def _with_lost(state: DetectState, lost: dict[int, float]) -> DetectState:
+    return DetectState(
+        tracks=state.tracks,
+        job_recent=state.job_recent,
+        job_hist=state.job_hist,
+        stretched=state.stretched,
+        srtt_hist=state.srtt_hist,
+        rel_noise=state.rel_noise,
+        rel_lag=state.rel_lag,
+        lost=lost,
+        net_memo=state.net_memo,
+    )
+
+
 def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)
     mid = n // 2
     return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2.0
+
+
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of sorted ``ordered`` with one occurrence of ``value`` left out.
+
+    Equals ``_median`` of that shorter list (the same elements are read), in
+    O(log n) instead of a copy and a sort per rank.
+    """
+    i = bisect_left(ordered, value)
+    n = len(ordered) - 1
+    mid = n // 2
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2.0
 
 
 def _push(hist: tuple[float, ...], value: float, keep: int) -> tuple[float, ...]:
@@ -264,8 +299,7 @@ def _verdict(
     return rec
 
 
-@dataclass(frozen=True)
-class _NetView:
+class _NetView(NamedTuple):
     """Network scores of every rank from one flow matrix."""
 
     ratio: dict[int, float]
@@ -278,6 +312,7 @@ class _NetView:
     total_retrans: int
     sent_share: dict[int, float]
     suppressed: frozenset[int] = frozenset()
+    uses_base: bool = False  # some rank was judged against ``srtt_base``
 
 
 def _network_view(
@@ -294,11 +329,14 @@ def _network_view(
     touching_us: dict[int, float] = {}
     others_us: dict[int, float] = {}
     ambiguous = False
+    uses_base = False
     total_retrans = sum(p.retrans for p in flows)
     unlocalised: list[int] = []
     sent_share: dict[int, float] = {}
     # Each rank's active flows in one pass (same order as ``active``), and its
     # retransmits touching / sent, instead of a scan of every flow per rank.
+    # (rank, peer, srtt) of the active flows: srtt is never None here.
+    ends: list[tuple[int, int, float]] = [(p.rank, p.peer, p.srtt_us or 0.0) for p in active]
     touching: dict[int, list[PairFlow]] = {}
     for p in active:
         touching.setdefault(p.rank, []).append(p)
@@ -316,23 +354,24 @@ def _network_view(
         touch = touching.get(r)
         if not touch:
             continue
-        rest = [p.srtt_us for p in active if p.rank != r and p.peer != r]
+        rest = [s for a, b, s in ends if a != r and b != r]
         # The lowest srtt of its flows: a slow host slows every flow it touches,
         # while its neighbours have one slow flow (to it) and normal others.
-        t_med = min(p.srtt_us for p in touch if p.srtt_us is not None)
+        t_med = min(map(_SRTT, touch))
         touching_us[r] = t_med
         if rest:
-            o_med = _median([x for x in rest if x is not None])
+            o_med = _median(rest)
         elif srtt_base:
             o_med = srtt_base
             ambiguous = True
             unlocalised.append(r)
         else:
+            uses_base = True
             continue
         others_us[r] = o_med
         ratio[r] = t_med / o_med if o_med > 0 else 1.0
-        top = max(touch, key=lambda p: (p.srtt_us or 0.0, -p.rank, -p.peer))
-        worst[r] = top.peer if top.rank == r else top.rank
+        _s, top_rank, top_peer = max((p.srtt_us, -p.rank, -p.peer) for p in touch)
+        worst[r] = -top_peer if -top_rank == r else -top_rank
         if total_retrans:
             share[r] = re_touch.get(r, 0) / total_retrans
             sent_share[r] = re_sent.get(r, 0) / total_retrans
@@ -349,6 +388,7 @@ def _network_view(
         keep = max(unlocalised, key=lambda r: (r in flagged, own(r), -r))
         suppressed = frozenset(r for r in unlocalised if r != keep)
     return _NetView(
+        uses_base=uses_base or bool(unlocalised),
         suppressed=suppressed,
         ratio=ratio,
         share=share,
@@ -362,6 +402,24 @@ def _network_view(
         total_retrans=total_retrans,
         sent_share=sent_share,
     )
+
+
+def _network_view_memo(
+    memo: tuple[Any, ...],
+    flows: tuple[PairFlow, ...],
+    ranks: tuple[int, ...],
+    srtt_base: float | None,
+    cfg: DetectConfig,
+    flagged: frozenset[int],
+) -> tuple[_NetView, tuple[Any, ...]]:
+    """:func:`_network_view`, or the view kept in ``memo`` when its inputs are equal."""
+    key = (flows, ranks, flagged, cfg.net_min_bytes)
+    if memo and memo[0] == key:
+        view: _NetView = memo[2]
+        if not view.uses_base or memo[1] == srtt_base:
+            return view, memo
+    view = _network_view(flows, ranks, srtt_base, cfg, flagged)
+    return view, (key, srtt_base, view)
 
 
 def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report:
@@ -384,7 +442,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             bar=None,
             scores=(),
             verdicts=tuple(sorted(verdicts, key=lambda v: v["rank"])),
-            state=replace(state, lost=lost),
+            state=state if lost == state.lost else _with_lost(state, lost),
         )
 
     step = summary.step
@@ -396,18 +454,20 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         job_recent = _push(job_recent, job_step, cfg.window)
     stretch = (_median(job_recent) / base - 1.0) if (base and job_recent) else None
 
-    net = _network_view(
+    net, net_memo = _network_view_memo(
+        state.net_memo,
         summary.flows,
-        [rs.rank for rs in present],
+        tuple(rs.rank for rs in present),
         _median(state.srtt_hist) if state.srtt_hist else None,
         cfg,
         frozenset(r for r, tr in tracks.items() if tr.cause == "network"),
     )
     lates = {rs.rank: rs.late_s for rs in present if rs.matched}
+    lates_sorted = sorted(lates.values())
     bar = cfg.min_effect
     if len(state.rel_noise) >= 2 * cfg.min_history:
         med = _median(state.rel_noise)
-        mad = _median([abs(x - med) for x in state.rel_noise])
+        mad = _median(list(map(abs, map(sub, state.rel_noise, repeat(med)))))
         bar = max(bar, cfg.noise_k * 1.4826 * mad)
     rel_seen: list[float] = []
     suspect = False
@@ -419,8 +479,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         tr = tracks.get(rs.rank, RankTrack())
         rel_now: float | None = None
         if ref_step and rs.matched and len(lates) >= 2:
-            peers = [v for r, v in lates.items() if r != rs.rank]
-            excess = rs.late_s - _median(peers)
+            excess = rs.late_s - _median_without(lates_sorted, rs.late_s)
             rel_now = excess / max(ref_step - rs.late_s, 0.1 * ref_step, 1e-9)
         rel_hist = _push(tr.rel, rel_now, cfg.window) if rel_now is not None else tr.rel
         need = (cfg.window + 1) // 2
@@ -570,6 +629,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         stretched=stretched,
         srtt_hist=srtt_hist,
         lost=lost,
+        net_memo=net_memo,
     )
     return Report(
         t=summary.t,

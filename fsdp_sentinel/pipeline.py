@@ -20,7 +20,7 @@ trace with the daemon's own verdicts replays to the same verdicts).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fsdp_sentinel.correlate import Correlator
@@ -31,6 +31,10 @@ Record = dict[str, Any]
 
 #: Kinds that carry nothing for detection (outputs, ground truth, headers).
 PASSIVE_KINDS = frozenset({"header", "verdict", "action", "fault"})
+
+#: What ``feed`` returns for a record that caused no verdict (most of them):
+#: one shared empty tuple rather than a new list per record.
+_NOTHING: tuple[Record, ...] = ()
 
 
 class Pipeline:
@@ -51,7 +55,8 @@ class Pipeline:
         self.last_report: Report | None = None
         self.open: dict[int, Record] = {}  # rank -> its open flagged verdict
         self.verdicts_total: dict[str, int] = {}
-        self.records_total: dict[str, int] = {}
+        self._totals: dict[str, int] = {}  # records by kind, but coll
+        self._colls_seen = 0
         self._next_tick = -math.inf  # -inf: not started (set by the first timed record)
         self._reported: dict[int, int] = {}  # step -> ranks whose step record came
         self._done = -(10**18)  # newest step summarised
@@ -71,27 +76,28 @@ class Pipeline:
 
     # ------------------------------------------------------------ public
 
-    def feed(self, rec: Record) -> list[Record]:
+    def feed(self, rec: Record) -> Sequence[Record]:
         """File one record; return the verdict records it caused (usually none)."""
         kind: str = rec.get("kind")  # type: ignore[assignment]
-        totals = self.records_total
         if kind == "coll":
-            # The hot path (most records): the coll handler and the clock
-            # update inlined, the same checks in the same order, fewer calls.
-            totals["coll"] = totals.get("coll", 0) + 1
+            # The hot path (most records): counted in an attribute, filed by
+            # the correlator, the stream clock moved; the rest of the checks
+            # happen a step at a time when the step is summarised.
+            self._colls_seen += 1
             try:
                 if rec["step"] <= self._done:
                     self._late += 1
-                    return []
+                    return _NOTHING
                 end = self._add_coll(rec)
                 if end > self.now:
                     self.now = float(end)
                     if end >= self._next_tick:
                         return self._advance(end)
-                return []
+                return _NOTHING
             except (KeyError, TypeError, ValueError, AttributeError):
                 self._malformed += 1
-                return []
+                return _NOTHING
+        totals = self._totals
         handler = self._handlers.get(kind)
         if handler is None:
             key = kind if kind in PASSIVE_KINDS else "other"
@@ -118,10 +124,18 @@ class Pipeline:
         self.corr.flow_window_s = config.flow_window_s
 
     @property
+    def records_total(self) -> dict[str, int]:
+        """Records fed, by kind (kinds not known to the pipeline as ``other``)."""
+        out = dict(self._totals)
+        if self._colls_seen:
+            out["coll"] = self._colls_seen
+        return out
+
+    @property
     def stats(self) -> dict[str, int]:
         return {
             "records": sum(self.records_total.values()),
-            "malformed": self._malformed,
+            "malformed": self._malformed + self.corr.malformed,
             "late": self._late + self.corr.late_records,
             "unattributed_flows": self.corr.unattributed_flows,
             "steps": self._steps,
@@ -197,7 +211,7 @@ class Pipeline:
             ranks=tuple(ranks),
             peers=tuple(peers),
             verdicts_total=dict(self.verdicts_total),
-            records_total=dict(self.records_total),
+            records_total=self.records_total,
         )
 
     # ------------------------------------------------------------ handlers
