@@ -292,8 +292,9 @@ def udp_count(lab: Lab, n: int, port: int) -> int:
 def test_packet_loss_drops_about_p(lab: Lab, direction: str) -> None:
     # Traffic goes h0 -> h1: lossy as it leaves h0 ("out") or as it reaches h1 ("in").
     host = 0 if direction == "out" else 1
-    ns, dev = lab.link_ends(host, direction)[0]
     fault = PacketLoss(host, 0.2, direction=direction)
+    ns, dev, _hook = fault.hooks(lab)[0]
+    assert (ns, dev) == (lab.switch_netns, lab.hosts[host].switch_ifname)  # on the wire
     rec = lab.inject(fault)
     assert_fault_record(rec, "packet_loss", lab, host)
     n = 3000
@@ -343,12 +344,12 @@ def test_stacked_faults_keep_a_flat_qdisc_tree(lab: Lab) -> None:
     lab.inject(loss)
     for ns, dev in ((h1.netns, h1.ifname), (lab.switch_netns, h1.switch_ifname)):
         assert tbf(ns, dev)["options"]["rate"] == 50_000_000 // 8
-    assert clsact(h1.netns, h1.ifname) is not None
-    assert clsact(lab.switch_netns, h1.switch_ifname) is None  # loss is on the host's egress only
+    assert clsact(lab.switch_netns, h1.switch_ifname) is not None
+    assert clsact(h1.netns, h1.ifname) is None  # loss is on the wire: the switch's port
     assert {f["what"] for f in lab.active_faults()} == {"slow_link", "packet_loss"}
     lab.clear(slow)
     for ns, dev in ((h1.netns, h1.ifname), (lab.switch_netns, h1.switch_ifname)):
         assert tbf(ns, dev)["options"]["rate"] == int(RATE * 1e6 / 8)
-    assert clsact(h1.netns, h1.ifname) is not None  # the other fault is untouched
+    assert clsact(lab.switch_netns, h1.switch_ifname) is not None  # the other fault is untouched
     lab.clear(loss)
-    assert clsact(h1.netns, h1.ifname) is None and lab.active_faults() == []
+    assert clsact(lab.switch_netns, h1.switch_ifname) is None and lab.active_faults() == []

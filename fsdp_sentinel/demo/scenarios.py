@@ -70,7 +70,7 @@ def _slow_compute(victim: int) -> Any:
 def _packet_loss(victim: int) -> Any:
     from fsdp_sentinel.lab import PacketLoss
 
-    return PacketLoss(victim, p=0.2)
+    return PacketLoss(victim, p=0.1)
 
 
 def _rank_kill(victim: int) -> Any:
@@ -98,7 +98,10 @@ SCENARIOS: dict[str, Scenario] = {
             "slow-compute", "one host's ranks get 10% of a core", "slow_compute", _slow_compute
         ),
         Scenario(
-            "packet-loss", "one host's link drops 20% of its packets", "packet_loss", _packet_loss
+            "packet-loss",
+            "one host's link loses 10% of the packets it sends",
+            "packet_loss",
+            _packet_loss,
         ),
         Scenario(
             "rank-kill", "one rank is killed (SIGKILL)", "rank_kill", _rank_kill, duration=None

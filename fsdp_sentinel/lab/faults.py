@@ -6,8 +6,8 @@ trace carries its own ground truth. ``what`` names (stable, used by
 detection's truth files): ``slow_link``, ``noisy_neighbor``, ``slow_compute``,
 ``packet_loss``, ``rank_kill``.
 
-Stacking: a host's link may carry a rate (tbf) and packet loss (clsact) at
-once; a slow link changes the tbf's rate in place and its clear restores the
+Stacking: a host's link may carry a rate (tbf) and packet loss (clsact, on
+the switch's port; one packet-loss fault per host at a time) at once; a slow link changes the tbf's rate in place and its clear restores the
 lab's rate. Noisy-neighbour processes live in the host's namespace but not in
 its cgroup, so they neither count against a CPU quota nor get killed as the
 rank.
@@ -169,26 +169,51 @@ class _LossProgram:
 
 @dataclass(eq=False)
 class PacketLoss:
-    """Drop each packet with probability ``p`` (a BPF classifier on clsact; no netem here)."""
+    """Drop each packet with probability ``p`` on the wire (a BPF classifier on
+    clsact; no netem here).
+
+    The classifier sits on the *switch's* port of the host's link: its
+    ingress for ``out`` (packets the host sent), its egress for ``in``
+    (packets on their way to the host). Not on the host's own egress: a
+    packet its own qdisc layer drops is reported back to the sending socket
+    (``NET_XMIT_DROP``), and TCP then simply sends it again later, without a
+    retransmission, loss recovery or any of the signs that loss on a real
+    link leaves. Measured here: 20 % dropped on the host's egress stretched
+    every step ~2x with almost no retransmits on its flows.
+    """
 
     host: HostArg
     p: float
     direction: str = "out"
     what: ClassVar[str] = "packet_loss"
 
+    def hooks(self, lab: Lab) -> list[tuple[str, str, str]]:
+        """Where the classifier hangs: ``(netns, ifname, clsact hook)``."""
+        from fsdp_sentinel.lab import netlink
+
+        h = lab.host(self.host)
+        port = (lab.switch_netns, h.switch_ifname)
+        out = [(*port, netlink.CLSACT_INGRESS)]
+        into = [(*port, netlink.CLSACT_EGRESS)]
+        by = {"out": out, "in": into, "both": out + into}
+        if self.direction not in by:
+            raise LabError(f"direction must be out, in or both, not {self.direction!r}")
+        return by[self.direction]
+
     def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
         from fsdp_sentinel.lab import loss, netlink
 
         if not 0.0 <= self.p <= 1.0:
             raise LabError("PacketLoss p must be within [0, 1]")
-        ends = lab.link_ends(self.host, self.direction)
+        hooks = self.hooks(lab)
         bpf, fd, name = loss.load_drop_program(self.p)
         state = _LossProgram(bpf, [])
         try:
-            for netns, ifname in ends:
+            for netns, ifname, hook in hooks:
                 with lab.netlink_handle(netns) as ipr:
-                    netlink.attach_egress_bpf(ipr, ifname, fd, name)
-                state.ends.append((netns, ifname))
+                    netlink.attach_bpf(ipr, ifname, fd, name, hook)
+                if (netns, ifname) not in state.ends:
+                    state.ends.append((netns, ifname))
         except BaseException:
             self.undo(lab, state)
             raise

@@ -32,6 +32,8 @@ IPRouteFactory = Callable[[str], Any]
 GONE = (errno.ENOENT, errno.ENODEV, errno.EINVAL)
 #: clsact's egress hook (TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)).
 CLSACT_EGRESS = "ffff:fff3"
+#: clsact's ingress hook (TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS)).
+CLSACT_INGRESS = "ffff:fff2"
 
 
 def open_existing(netns: str) -> Any:
@@ -92,8 +94,9 @@ def set_tbf(ipr: Any, ifname: str, rate_mbit: float, burst: int, limit: int) -> 
     )
 
 
-def attach_egress_bpf(ipr: Any, ifname: str, prog_fd: int, prog_name: str) -> None:
-    """Hang a direct-action BPF classifier on the link's clsact egress hook."""
+def attach_bpf(ipr: Any, ifname: str, prog_fd: int, prog_name: str, hook: str) -> None:
+    """Hang a direct-action BPF classifier on the link's clsact ``hook``
+    (:data:`CLSACT_EGRESS` or :data:`CLSACT_INGRESS`)."""
     idx = index_of(ipr, ifname)
     try:
         ipr.tc("add", "clsact", idx)
@@ -107,7 +110,7 @@ def attach_egress_bpf(ipr: Any, ifname: str, prog_fd: int, prog_name: str) -> No
         ":1",
         fd=prog_fd,
         name=prog_name,
-        parent=CLSACT_EGRESS,
+        parent=hook,
         classid=1,
         direct_action=True,
     )
