@@ -346,6 +346,8 @@ class Correlator:
         self._matrix: tuple[PairFlow, ...] | None = None  # flow_matrix's last answer
         self._matrix_oldest = math.inf  # its oldest sample's time
         self.job_done = -1
+        self.max_coll_step = -1  # newest step any rank reported collectives of
+        self._reports: dict[int, int] = {}  # step -> ranks whose step record is filed
         self.late_records = 0
         self.malformed = 0  # coll records dropped at summary time for a bad field
         self.unattributed_flows = 0
@@ -382,6 +384,8 @@ class Correlator:
         step = int(rec["step"])
         end = float(rec["end"])
         float(rec["start"])  # validate now, not at summary time
+        if step not in rs.steps:  # a datagram delivered twice is one report
+            self._reports[step] = self._reports.get(step, 0) + 1
         rs.steps[step] = rec
         if end > rs.last_t:
             rs.last_t = end
@@ -416,6 +420,8 @@ class Correlator:
             lst = rs.colls[step] = []
             if step > rs.max_coll_step:
                 rs.max_coll_step = step
+                if step > self.max_coll_step:
+                    self.max_coll_step = step
             if rs.first_step is None or step < rs.first_step:
                 rs.first_step = step
         lst.append(rec)
@@ -541,7 +547,7 @@ class Correlator:
 
     def reported(self, step: int) -> int:
         """How many ranks have a step record for ``step`` filed."""
-        return sum(1 for rs in self.ranks.values() if step in rs.steps)
+        return self._reports.get(step, 0)
 
     def step_summary(self, step: int, now: float) -> Summary:
         """Summarise ``step`` across ranks and forget its records."""
@@ -625,6 +631,9 @@ class Correlator:
             rs.last = rstep
             out.append(rstep)
         # Anything older than this step that is still filed arrived too late.
+        reports = self._reports
+        for old in [s for s in reports if s <= step]:
+            del reports[old]
         for rs in self.ranks.values():
             if rs.steps and min(rs.steps) < step:
                 for old in [s for s in rs.steps if s < step]:
@@ -657,7 +666,7 @@ class Correlator:
             flows=self.flow_matrix(now) if step is not None else (),
             liveness=self.liveness(),
             job_done=self.job_done,
-            mid_step=any(rs.max_coll_step > self.job_done for rs in self.ranks.values()),
+            mid_step=self.max_coll_step > self.job_done,
         )
 
     def flow_matrix(self, now: float) -> tuple[PairFlow, ...]:

@@ -59,6 +59,8 @@ class Pipeline:
         self._colls_seen = 0
         self._next_tick = -math.inf  # -inf: not started (set by the first timed record)
         self._reported: dict[int, int] = {}  # step -> ranks whose step record came
+        self._need: dict[int, tuple[int, int]] = {}  # step -> (lost epoch, ranks expected)
+        self._lost_epoch = 0  # bumped whenever a rank is declared lost or back
         self._done = -(10**18)  # newest step summarised
         self._late = 0
         self._malformed = 0
@@ -265,7 +267,16 @@ class Pipeline:
         # Count ranks, not records: a datagram delivered twice is one report.
         n = self.corr.reported(step)
         self._reported[step] = n
-        ready = n >= len(self.corr.ranks) or n >= self.corr.expected(step, self.finalize_lag)
+        ready = n >= len(self.corr.ranks)
+        if not ready:
+            # How many ranks the step waits for only grows (ranks start, move
+            # on, join) until one is declared lost or back: the count found for
+            # the step's first report stands until this one reaches it.
+            need = self._need.get(step)
+            if need is None or need[0] != self._lost_epoch or n >= need[1]:
+                need = (self._lost_epoch, self.corr.expected(step, self.finalize_lag))
+                self._need[step] = need
+            ready = n >= need[1]
         if ready:
             out.extend(self._finalize_through(step))
         elif step - self.finalize_lag > self._done:
@@ -297,6 +308,8 @@ class Pipeline:
         self._done = step
         for old in [s for s in self._reported if s <= step]:
             del self._reported[old]
+        for old in [s for s in self._need if s <= step]:
+            del self._need[old]
         self._steps += 1
         return self._run(self.corr.step_summary(step, self.now))
 
@@ -314,10 +327,12 @@ class Pipeline:
                 self.open[rank] = v
                 if v["cause"] == "rank_lost":
                     rs.lost = True
+                    self._lost_epoch += 1
             else:
                 self.open.pop(rank, None)
                 if v["cause"] == "rank_lost":
                     rs.lost = False
+                    self._lost_epoch += 1
                     self.corr.revive(rank)
             self._verdicts += 1
             if v["state"] == "flagged":
