@@ -141,6 +141,7 @@ class _Rank:
         "_op_bytes",
         "_op_seconds",
         "_op_pending",
+        "bad_fields",
     )
 
     def __init__(self, rank: int) -> None:
@@ -164,6 +165,7 @@ class _Rank:
         # Summarised steps' columns not yet added to the per-op totals: adding
         # many steps at once is a few C-level passes instead of a few per step.
         self._op_pending: list[_Columns] = []
+        self.bad_fields = 0  # coll records whose op or bytes could not be added up
 
     # Per-op totals of summarised collectives (the exporter's counters).
     @property
@@ -189,16 +191,23 @@ class _Rank:
         self._op_pending = []
         colls = list(chain.from_iterable(c.colls for c in pending))
         waits = list(chain.from_iterable(c.waits for c in pending))
-        ops = list(map(_OP, colls))
-        nbytes = list(map(_BYTES, colls))
         try:
+            ops = list(map(_OP, colls))
+            nbytes = list(map(_BYTES, colls))
             uniq = dict.fromkeys(ops)  # first-seen order, as the counters were created
             sum(nbytes)  # numbers, or TypeError
-        except TypeError:
-            # A bad op or byte count (never from our hooks): it still counted
-            # as a collective when summarised; here only its bytes are dropped.
-            ops = list(map(str, ops))
-            nbytes = [b if type(b) in (int, float) else 0 for b in nbytes]
+        except (KeyError, TypeError):
+            # A bad op or byte count (never from our hooks): the collective
+            # still counted when its step was summarised; here it is counted
+            # under str(op) with no bytes, and the bad field as malformed.
+            ops, nbytes = [], []
+            for c in colls:
+                op, b = c.get("op"), c.get("bytes")
+                ok_op = type(op) is str
+                ok_b = type(b) in (int, float)
+                self.bad_fields += (not ok_op) + (not ok_b)
+                ops.append(op if ok_op else str(op))
+                nbytes.append(b if ok_b else 0)
             uniq = dict.fromkeys(ops)
         cnt, nb, secs = self._op_count, self._op_bytes, self._op_seconds
         for op in uniq:
@@ -740,6 +749,15 @@ class Correlator:
                 )
             )
         return tuple(out)
+
+    def malformed_total(self) -> int:
+        """Coll records dropped at summary time, plus bad op/bytes fields met
+        when adding up the per-op totals (which folds what is pending)."""
+        bad = 0
+        for rs in self.ranks.values():
+            rs.fold_ops()
+            bad += rs.bad_fields
+        return self.malformed + bad
 
     def pending_steps(self) -> list[int]:
         steps: set[int] = set()

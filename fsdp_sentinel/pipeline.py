@@ -137,7 +137,7 @@ class Pipeline:
     def stats(self) -> dict[str, int]:
         return {
             "records": sum(self.records_total.values()),
-            "malformed": self._malformed + self.corr.malformed,
+            "malformed": self._malformed + self.corr.malformed_total(),
             "late": self._late + self.corr.late_records,
             "unattributed_flows": self.corr.unattributed_flows,
             "steps": self._steps,

@@ -197,3 +197,24 @@ def test_records_arriving_after_their_step_was_summarised_are_counted_late() -> 
     c.step_summary(1, now=2.0)  # step 0 never summarised: its records are dropped as late
     assert c.late_records == 2
     assert c.pending_steps() == []
+
+
+def test_a_bad_field_drops_only_its_record_and_is_counted() -> None:
+    c = Correlator()
+    for r in (0, 1):
+        c.add_coll(coll(r, 0, 0, 1.0, 1.2))
+        bad = coll(r, 0, 1, 1.3, 1.4)
+        if r == 0:
+            bad["issue"] = "soon"  # timing unusable: the record is dropped
+        else:
+            bad["bytes"] = "lots"  # timing fine, byte count not: counted, no bytes
+        c.add_coll(bad)
+        c.add_step(step_rec(r, 0, 0.9, 1.5))
+    by = {rs.rank: rs for rs in c.step_summary(0, now=1.5).ranks}
+    assert (by[0].n_coll, by[1].n_coll) == (1, 2)
+    # Seq 1 came from rank 1 only, so the ranks' keys differ: matched per key.
+    assert (by[0].matched, by[1].matched) == (1, 1)
+    assert c.ranks[1].coll_count == {"all_gather": 2}
+    assert c.ranks[1].coll_bytes == {"all_gather": 1000}
+    assert c.ranks[0].coll_bytes == {"all_gather": 1000}
+    assert c.malformed_total() == 2  # the dropped record and the bad byte count
