@@ -58,6 +58,10 @@ class DetectConfig:
     own compute to have grown by this share of the bar against its own
     history (when it has one). Off by default: on a shared machine every
     rank's own history drifts with the load, which hid real stalls.
+    ``sustained_window`` / ``sustained_share``: a smaller compute effect also
+    counts when the median relative score over the last ``sustained_window``
+    steps reaches ``sustained_share`` of the bar (never under
+    ``min_effect``); 0 turns this off.
     ``window``: steps in the rolling window whose median is scored.
     ``flag_after`` / ``clear_after``: consecutive bad / clean windows before a
     rank is flagged / cleared. ``history`` / ``min_history``: steps of own
@@ -79,6 +83,8 @@ class DetectConfig:
     noise_k: float = 3.0
     noise_lag: int = 6
     individual_share: float = 0.0
+    sustained_share: float = 0.6
+    sustained_window: int = 9
     window: int = 3
     flag_after: int = 2
     clear_after: int = 3
@@ -151,6 +157,7 @@ class RankTrack(NamedTuple):
     clean: int = 0
     cause: str | None = None
     flagged_step: int | None = None
+    rel_long: tuple[float, ...] = ()  # the last ``sustained_window`` relative scores
 
 
 @dataclass(frozen=True)
@@ -494,11 +501,32 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         if relative is not None and relative >= cfg.min_effect:
             suspect = True
 
+        # A smaller effect counts when it lasts: the median over a longer
+        # window (``sustained_window`` steps, robust to dips and to bursts
+        # alike) against a lower bar. A median of n steps spreads about
+        # sqrt(pi / 2n) of one step, so 9 steps need ~0.6 of the 3-step bar.
+        rel_long = tr.rel_long
+        low = max(cfg.min_effect, cfg.sustained_share * bar)
+        sustained = False
+        if cfg.sustained_window:
+            if rel_now is not None:
+                rel_long = _push(rel_long, rel_now, cfg.sustained_window)
+            if len(rel_long) >= cfg.sustained_window:
+                sustained = _median(rel_long) >= low
+        # Hysteresis: a compute flag holds while the window stays above the
+        # lower bar, and clears once under it (the long median would hold a
+        # recovered rank for half its window).
+        if relative is None:
+            slow = False
+        elif tr.cause == "compute":
+            slow = relative >= (low if cfg.sustained_window else bar)
+        else:
+            slow = relative >= bar or sustained
         candidate: str | None = None
         if (
             warm
             and relative is not None
-            and relative >= bar
+            and slow
             and (individual is None or individual >= cfg.individual_share * bar)
         ):
             candidate = "compute"
@@ -541,6 +569,10 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         if cause is None and candidate is not None and bad >= cfg.flag_after:
             cause, flagged_step = candidate, step
             score, evidence, peer = _evidence(candidate, rs, relative, individual, net, stretch)
+            if candidate == "compute" and relative is not None and relative < bar:
+                # Found by the sustained rule: say so, with what it compared.
+                evidence["sustained"] = _r(_median(rel_long))
+                evidence["bar"] = _r(bar)
             evidence["job_step_s"] = _r(job_step)
             evidence["baseline_step_s"] = _r(base)
             verdicts.append(
@@ -568,6 +600,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             clean=clean,
             cause=cause,
             flagged_step=flagged_step,
+            rel_long=rel_long,
         )
         scores.append(
             RankScore(

@@ -54,6 +54,7 @@ def test_every_scenario_of_the_issue_is_there_with_its_cause() -> None:
         "slow-link",
         "noisy-neighbor",
         "slow-compute",
+        "mild-compute",
         "packet-loss",
         "rank-kill",
     ]
@@ -63,6 +64,7 @@ def test_every_scenario_of_the_issue_is_there_with_its_cause() -> None:
         "slow-link": "network",
         "noisy-neighbor": "network",
         "slow-compute": "compute",
+        "mild-compute": "compute",
         "packet-loss": "network",
         "rank-kill": "rank_lost",
     }

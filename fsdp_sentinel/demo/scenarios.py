@@ -67,6 +67,14 @@ def _slow_compute(victim: int) -> Any:
     return SlowCompute(victim, cpu_fraction=0.1)
 
 
+def _mild_compute(victim: int) -> Any:
+    from fsdp_sentinel.lab import SlowCompute
+
+    # 0.2 of a core: measured ~1.2x on the job here (0.4 of a core: no effect,
+    # the rank never used more).
+    return SlowCompute(victim, cpu_fraction=0.2)
+
+
 def _packet_loss(victim: int) -> Any:
     from fsdp_sentinel.lab import PacketLoss
 
@@ -96,6 +104,13 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "slow-compute", "one host's ranks get 10% of a core", "slow_compute", _slow_compute
+        ),
+        Scenario(
+            "mild-compute",
+            "one host's ranks get 20% of a core (~1.2x slower job)",
+            "slow_compute",
+            _mild_compute,
+            duration=12,
         ),
         Scenario(
             "packet-loss",
