@@ -204,6 +204,24 @@ def listener(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     s.close()
 
 
+def json_objects(text: str) -> list[dict[str, Any]]:
+    """Every JSON object printed in ``text``: torchrun passes the ranks' stdout
+    through as it comes, so two ranks' lines can land on one line."""
+    dec = json.JSONDecoder()
+    out: list[dict[str, Any]] = []
+    i = text.find("{")
+    while i >= 0:
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:  # a brace in a log line, not a summary
+            i = text.find("{", i + 1)
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+        i = text.find("{", end)
+    return out
+
+
 @pytest.mark.torch
 def test_any_fsdp2_model_to_a_live_socket(
     tmp_path: Path, listener: tuple[str, list[dict[str, Any]]]
@@ -214,7 +232,7 @@ def test_any_fsdp2_model_to_a_live_socket(
     out = run_torchrun(
         torchrun_argv(WORLD, target=[str(script)], args=[path, f"{tmp_path}/w{{rank}}.jsonl"])
     )
-    summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    summaries = json_objects(out.stdout)
     assert sorted(s["rank"] for s in summaries) == [0, 1]
     traces = by_rank(sorted(tmp_path.glob("w*.jsonl")))
     for s in summaries:
