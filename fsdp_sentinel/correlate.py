@@ -558,11 +558,15 @@ class Correlator:
         """How many ranks have a step record for ``step`` filed."""
         return self._reports.get(step, 0)
 
+    def reported_steps(self) -> list[int]:
+        """Steps not yet summarised that some rank has a step record filed for, oldest first."""
+        return sorted(self._reports)
+
     def step_summary(self, step: int, now: float) -> Summary:
         """Summarise ``step`` across ranks and forget its records."""
-        # Each rank's collectives become columns (keys, issue, end, wait, op,
-        # bytes) in a few C-level passes; lateness needs, per collective, the
-        # longest and shortest wait in its group (the same key on every member).
+        # Each rank's collectives become columns (keys, issue, end, wait) in a
+        # few C-level passes; lateness needs, per collective, the longest and
+        # shortest wait in its group (the same key on every member).
         per_rank: list[tuple[_Rank, Record | None, _Columns | None]] = []
         ranks = self.ranks
         for rank in sorted(ranks):
@@ -689,7 +693,7 @@ class Correlator:
         out: list[PairFlow] = []
         oldest = math.inf
         keys = self._pair_keys
-        if keys is None or len(keys) != len(self.pairs):
+        if keys is None:  # reset by add_flow when a pair appears
             keys = self._pair_keys = sorted(self.pairs)
         pairs = self.pairs
         for key in keys:

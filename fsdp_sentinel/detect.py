@@ -233,20 +233,6 @@ class Report(NamedTuple):
     state: DetectState
 
 
-def _with_lost(state: DetectState, lost: dict[int, float]) -> DetectState:
-    return DetectState(
-        tracks=state.tracks,
-        job_recent=state.job_recent,
-        job_hist=state.job_hist,
-        stretched=state.stretched,
-        srtt_hist=state.srtt_hist,
-        rel_noise=state.rel_noise,
-        rel_lag=state.rel_lag,
-        lost=lost,
-        net_memo=state.net_memo,
-    )
-
-
 def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)
@@ -449,7 +435,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             bar=None,
             scores=(),
             verdicts=tuple(sorted(verdicts, key=lambda v: v["rank"])),
-            state=state if lost == state.lost else _with_lost(state, lost),
+            state=state if lost == state.lost else replace(state, lost=lost),
         )
 
     step = summary.step

@@ -58,7 +58,6 @@ class Pipeline:
         self._totals: dict[str, int] = {}  # records by kind, but coll
         self._colls_seen = 0
         self._next_tick = -math.inf  # -inf: not started (set by the first timed record)
-        self._reported: dict[int, int] = {}  # step -> ranks whose step record came
         self._need: dict[int, tuple[int, int]] = {}  # step -> (lost epoch, ranks expected)
         self._lost_epoch = 0  # bumped whenever a rank is declared lost or back
         self._done = -(10**18)  # newest step summarised
@@ -266,7 +265,6 @@ class Pipeline:
         out = self._advance(float(rec["end"]))
         # Count ranks, not records: a datagram delivered twice is one report.
         n = self.corr.reported(step)
-        self._reported[step] = n
         ready = n >= len(self.corr.ranks)
         if not ready:
             # How many ranks the step waits for only grows (ranks start, move
@@ -296,18 +294,15 @@ class Pipeline:
 
     def _finalize_ready(self) -> list[Record]:
         out: list[Record] = []
-        for step in sorted(self._reported):
-            if self._reported[step] >= self.corr.expected(step, self.finalize_lag):
+        for step in self.corr.reported_steps():
+            if self.corr.reported(step) >= self.corr.expected(step, self.finalize_lag):
                 out.extend(self._finalize_through(step))
         return out
 
     def _finalize(self, step: int) -> list[Record]:
-        self._reported.pop(step, None)
         if step <= self._done:
             return []
         self._done = step
-        for old in [s for s in self._reported if s <= step]:
-            del self._reported[old]
         for old in [s for s in self._need if s <= step]:
             del self._need[old]
         self._steps += 1
