@@ -87,7 +87,12 @@ class RankLiveness(NamedTuple):
     ``last_t``: time of its latest hook record (step/coll/rank) on its own
     clock; ``done_step``: its latest completed step (-1 before the first);
     ``torn_peers``: peers whose connection to it closed or reset (``torn_t`` the
-    first such time); ``peers``: peers it was ever seen talking to.
+    first such time); ``peers``: peers it was ever seen talking to;
+    ``self_closed``: one of its own sockets recorded a close; ``reset_peers``:
+    peers whose connection *it* reset (a reset its peer received from it, or one
+    it sent). A process that dies leaves its kernel to reset connections with
+    data in flight, while an orderly exit closes them, so this tells a killed
+    rank from the peers that exit after it.
     """
 
     rank: int
@@ -98,6 +103,7 @@ class RankLiveness(NamedTuple):
     peers: int
     torn_t: float | None
     self_closed: bool
+    reset_peers: int
 
 
 class Summary(NamedTuple):
@@ -350,6 +356,7 @@ class Correlator:
         self._flow_cache: dict[tuple[str, int, str, str], tuple[int, int]] = {}
         self._torn: dict[int, dict[int, float]] = {}  # rank -> peer -> first torn time
         self._self_closed: dict[int, float] = {}
+        self._reset_by: dict[int, set[int]] = {}  # rank -> peers whose connection it reset
         self._peers: dict[int, set[int]] = {}
         self._pair_keys: list[tuple[int, int]] | None = None  # sorted(self.pairs), cached
         self._matrix: tuple[PairFlow, ...] | None = None  # flow_matrix's last answer
@@ -525,6 +532,17 @@ class Correlator:
         t = float(rec["t"])
         if local is not None and what == "close" and local not in self._self_closed:
             self._self_closed[local] = t
+        if what == "reset":
+            # Who reset whom: a reset received came from the remote end.
+            direction = rec.get("direction")
+            if direction == "received":
+                resetter, victim = remote, local
+            elif direction == "sent":
+                resetter, victim = local, remote
+            else:
+                resetter = victim = None  # an older probe: no direction, no blame
+            if resetter is not None and victim is not None and resetter != victim:
+                self._reset_by.setdefault(resetter, set()).add(victim)
         for a, b in ((local, remote), (remote, local)):
             if a is None or b is None or a == b:
                 continue
@@ -537,6 +555,7 @@ class Correlator:
         """Forget torn connections of a rank that is heard from again."""
         self._torn.pop(rank, None)
         self._self_closed.pop(rank, None)
+        self._reset_by.pop(rank, None)
         for torn in self._torn.values():
             torn.pop(rank, None)
 
@@ -736,6 +755,7 @@ class Correlator:
     def liveness(self) -> tuple[RankLiveness, ...]:
         out = []
         ranks, torn_of, peers_of, closed = self.ranks, self._torn, self._peers, self._self_closed
+        reset_by = self._reset_by
         for rank in sorted(ranks):
             rs = ranks[rank]
             torn = torn_of.get(rank)
@@ -750,6 +770,7 @@ class Correlator:
                     len(peers) if peers else 0,
                     min(torn.values()) if torn else None,
                     rank in closed,
+                    len(reset_by.get(rank, ())),
                 )
             )
         return tuple(out)

@@ -18,8 +18,9 @@ Causes, and the evidence each needs (docs/detection.md has the long form):
   ACKs it returns) show a higher srtt than flows not touching it, or carry
   most of the retransmits.
 * ``rank_lost``: its records stopped and all its connections were closed or
-  reset while the job was inside a step, or it has been silent for a long
-  time while the others carried on.
+  reset while the job was inside a step (or, between steps, it reset some of
+  them: a process that dies does, one that exits in order does not), or it
+  has been silent for a long time while the others carried on.
 
 A change counts only when it persists: a rank is flagged after
 ``flag_after`` consecutive bad windows and cleared after ``clear_after``
@@ -736,7 +737,10 @@ def _judge_lost(
             lv.torn_peers
             and lv.torn_peers >= lv.peers
             and silent >= cfg.lost_grace_s
-            and (summary.mid_step or lv.done_step < summary.job_done)
+            # Torn between steps is how every job ends, unless the rank reset
+            # its connections: an orderly exit closes them, a dead process's
+            # kernel resets the ones with data in flight.
+            and (summary.mid_step or lv.done_step < summary.job_done or lv.reset_peers)
         ):
             torn.append(lv)
         elif silent >= silence:
@@ -748,17 +752,22 @@ def _judge_lost(
     if torn and state.lost:
         torn = []  # the job is already down; later teardown is a consequence
     if len(torn) > 1:
-        closers = [lv for lv in torn if lv.self_closed]
-        if closers and len(closers) < len(torn):
-            torn = closers
-        if len(torn) > 1:
-            # A lost rank takes its peers down within milliseconds (their
-            # collectives fail and they exit), so several ranks torn in one
-            # judgement are one loss and its casualties: name the first to go.
-            ambiguous = len(torn) >= len([lv for lv in live if lv.rank not in lost])
-            first = min(torn, key=lambda lv: (lv.torn_t or t, lv.last_t, lv.rank))
-            casualties = sorted(lv.rank for lv in torn if lv is not first)
-            torn = [first]
+        # A lost rank takes its peers down within milliseconds (their
+        # collectives fail and they exit), so several ranks torn in one
+        # judgement are one loss and its casualties. Suspects: those that
+        # reset their connections (died), then those whose own sockets closed
+        # (the probes saw that end go); of them, name the first to go.
+        suspects = torn
+        for sign in ("reset_peers", "self_closed"):
+            marked = [lv for lv in suspects if getattr(lv, sign)]
+            if marked and len(marked) < len(suspects):
+                suspects = marked
+        ambiguous = len(suspects) > 1 and len(torn) >= len(
+            [lv for lv in live if lv.rank not in lost]
+        )
+        first = min(suspects, key=lambda lv: (lv.torn_t or t, lv.last_t, lv.rank))
+        casualties = sorted(lv.rank for lv in torn if lv is not first)
+        torn = [first]
     for lv in torn + quiet:
         lost[lv.rank] = lv.last_t
         ev: dict[str, Any] = {
@@ -767,6 +776,8 @@ def _judge_lost(
             "torn_peers": lv.torn_peers,
             "peers": lv.peers,
         }
+        if lv.reset_peers:
+            ev["reset_peers"] = lv.reset_peers
         if lv in quiet:
             ev["others_continued"] = True
         elif casualties:

@@ -300,6 +300,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                         "src": ep(b, k),
                         "dst": ep(k, b),
                         "what": "reset",
+                        "direction": "received",
                     },
                 )
         td = dead_t + lost.teardown_s

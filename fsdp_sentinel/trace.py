@@ -10,6 +10,7 @@ This module is the lowest layer: it imports nothing else of the package.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import io
 import json
@@ -193,7 +194,13 @@ class TraceWriter:
             # End the frame so everything so far is decodable after a crash.
             self._zwriter.flush(zstandard.FLUSH_FRAME)
         self._raw.flush()
-        os.fsync(self._raw.fileno())
+        try:
+            os.fsync(self._raw.fileno())
+        except OSError as e:
+            # A pipe or terminal (``--verdicts-out /dev/stdout``) cannot be
+            # synced; what was flushed to it is all there is to keep.
+            if e.errno not in (errno.EINVAL, errno.EROFS, errno.ENOTSUP):
+                raise
         self._last_sync = self._clock()
 
     def close(self) -> None:

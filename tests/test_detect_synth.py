@@ -124,6 +124,57 @@ def test_clean_end_of_job_with_probe_records_after_it_flags_nobody() -> None:
     assert verdicts == []
 
 
+def torn_between_steps(own: dict, peers: dict) -> list[dict]:
+    """A clean job whose ranks all tear down after their last step: rank 2's
+    connections go first (its own sockets record ``own``, its peers' ones
+    ``peers``), the others' 0.3 s later, all closed."""
+    recs, _ = S.generate(S.Scenario(steps=12, tail_s=4.0))
+    end = max(r["end"] for r in recs if r["kind"] == "step")
+    host_rank = {r["host"]: r["rank"] for r in recs if r["kind"] == "rank"}
+    addr_rank = {a: r["rank"] for r in recs if r["kind"] == "rank" for a in r["addrs"]}
+    out = [r for r in recs if not (r["kind"] == "conn" and r["what"] != "open")]
+    for o in (r for r in recs if r["kind"] == "conn" and r["what"] == "open"):
+        a, b = host_rank[o["host"]], addr_rank[o["dst"].rsplit(":", 1)[0]]
+        if a == 2:
+            out.append({**o, "t": end + 0.05, **own})
+        elif b == 2:
+            out.append({**o, "t": end + 0.05, **peers})
+        else:
+            out.append({**o, "t": end + 0.35, "what": "close"})
+    return sorted(out, key=lambda r: r.get("t", r.get("end", 0.0)))
+
+
+CLOSE = {"what": "close"}
+
+
+@pytest.mark.parametrize(
+    ("own", "peers"),
+    [
+        (CLOSE, {"what": "reset", "direction": "received"}),
+        ({"what": "reset", "direction": "sent"}, CLOSE),
+    ],
+    ids=["peers-received", "own-sent"],
+)
+def test_a_rank_killed_between_steps_is_told_from_the_peers_that_exit_after_it(
+    own: dict, peers: dict
+) -> None:
+    # Nothing shows the job inside a step (every rank finished step 11, none
+    # reported a collective of step 12), and the survivors tear down before
+    # the grace has passed: only the resets name rank 2.
+    verdicts = Pipeline().feed_many(torn_between_steps(own, peers))
+    assert [(v["rank"], v["state"], v["cause"], v["step"]) for v in verdicts] == [
+        (2, "flagged", "rank_lost", 12)
+    ]
+    assert verdicts[0]["evidence"]["reset_peers"] == 3
+
+
+@pytest.mark.parametrize("reset", [CLOSE, {"what": "reset"}], ids=["closed", "no-direction"])
+def test_orderly_teardown_between_steps_flags_nobody(reset: dict) -> None:
+    # All closes is how every job ends; a reset without a direction (an
+    # older probe) blames nobody.
+    assert Pipeline().feed_many(torn_between_steps(CLOSE, reset)) == []
+
+
 def test_lost_rank_heard_again_is_cleared() -> None:
     recs, _ = S.generate(S.Scenario(steps=60))
     gap = [r for r in recs if r["kind"] not in ("conn", "flow")]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,30 @@ def test_cli_prints_a_summary_and_writes_verdicts(
     assert "rank   1  flagged  compute" in text
     written = [r for r in trace.read_trace(out) if r["kind"] == "verdict"]
     assert [(v["rank"], v["state"]) for v in written] == [(1, "flagged"), (1, "cleared")]
+
+
+def test_verdicts_can_go_to_a_pipe(tmp_path: Path) -> None:
+    # A pipe cannot be fsync'ed; the writer must still deliver every verdict.
+    src = write_synthetic(tmp_path / "t.jsonl")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_sentinel",
+            "replay",
+            str(src),
+            "--verdicts-out",
+            "/dev/stdout",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    verdicts = [
+        json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"kind":"verdict"')
+    ]
+    assert [(v["rank"], v["state"]) for v in verdicts] == [(1, "flagged"), (1, "cleared")]
 
 
 def test_truncated_last_line_fails_strict_and_is_skipped_lenient(
