@@ -161,6 +161,17 @@ def test_truth_path() -> None:
     assert truth_path(Path("o/t.jsonl")) == Path("o/t.truth.json")
 
 
+def test_cpu_fraction_replaces_the_scenarios_share_only() -> None:
+    from fsdp_sentinel.demo.run import _FaultDriver
+
+    def fault(**kw: object) -> object:
+        return _FaultDriver(DemoConfig(**kw), None, None, None).fault  # type: ignore[arg-type]
+
+    assert fault(scenario="mild-compute").cpu_fraction == 0.2  # type: ignore[attr-defined]
+    tuned = fault(scenario="mild-compute", cpu_fraction=0.22, victim=1)
+    assert (tuned.cpu_fraction, tuned.host) == (0.22, 1)  # type: ignore[attr-defined]
+
+
 def test_trainer_args_follow_the_config() -> None:
     cfg = DemoConfig(scenario="slow-compute", steps=12, layers=2, dim=64)
     args = trainer_args(cfg, Path("/s.sock"))
@@ -191,6 +202,9 @@ def demo_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--scenario", "rank-kill", "--victim", "0"], "rendezvous"),
         (["--lab-name", "demo"], "must start with fss-"),
         (["--steps", "5"], "onset step 8 is not before the last step"),
+        (["--scenario", "slow-link", "--cpu-fraction", "0.2"], "for the compute scenarios"),
+        (["--scenario", "slow-compute", "--cpu-fraction", "0"], "must be > 0"),
+        (["--scenario", "slow-compute", "--cpu-fraction", "1.5"], "at most 1"),
     ],
 )
 def test_bad_flags_exit_2(args: list[str], message: str) -> None:

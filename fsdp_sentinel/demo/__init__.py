@@ -90,6 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="clear the fault S seconds after its onset: a transient spike (overrides --fault-steps)",
     )
     f.add_argument("--victim", type=_nonneg, metavar="RANK", help="the rank that gets the fault")
+    f.add_argument(
+        "--cpu-fraction",
+        type=_seconds,
+        metavar="F",
+        help="slow-compute, mild-compute: the victim host's share of one core (the scenario's by"
+        " default; here 0.22 slows the job ~1.14x, 0.25 not at all)",
+    )
     m = p.add_argument_group("lab and job")
     m.add_argument(
         "--lab-name", default="fss-demo", help="lab name, starts with fss- (default fss-demo)"
@@ -124,6 +131,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--victim {args.victim} is not a rank of {args.ranks}"
     if args.scenario == "rank-kill" and args.victim == 0:
         return "--victim 0 cannot be killed: its host serves the job's rendezvous store"
+    if args.cpu_fraction is not None and SCENARIOS[args.scenario].what != "slow_compute":
+        return f"--cpu-fraction is for the compute scenarios, not {args.scenario}"
+    if args.cpu_fraction is not None and args.cpu_fraction > 1:
+        return "--cpu-fraction must be at most 1 (one core)"
     if not args.lab_name.startswith("fss-"):
         return "--lab-name must start with fss-"
     return None
@@ -166,6 +177,7 @@ def main(args: argparse.Namespace) -> int:
         fault_steps=args.fault_steps,
         fault_seconds=args.fault_seconds,
         victim=args.victim,
+        cpu_fraction=args.cpu_fraction,
         remediate=args.remediate,
         out=args.out,
         lab_name=args.lab_name,

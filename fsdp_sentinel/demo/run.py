@@ -13,6 +13,7 @@ an exception or Ctrl-C unwinds it in reverse order (job, fault, daemon, lab).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ class DemoConfig:
     # to two steps, so "one step" of fault could really cover two or three.
     fault_seconds: float | None = None
     victim: int | None = None
+    cpu_fraction: float | None = None  # compute scenarios: None is the scenario's
     remediate: str = "off"
     out: Path = Path("out/demo")
     lab_name: str = "fss-demo"
@@ -143,6 +145,8 @@ class _FaultDriver:
         self.progress = progress
         make = cfg.plan.make
         self.fault = make(cfg.victim_rank()) if make is not None else None
+        if cfg.cpu_fraction is not None and self.fault is not None:
+            self.fault = dataclasses.replace(self.fault, cpu_fraction=cfg.cpu_fraction)
         self.onset = cfg.onset_step()
         self.duration = None if cfg.fault_seconds is not None else cfg.duration()
         self.seconds = cfg.fault_seconds
