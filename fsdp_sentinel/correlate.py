@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from functools import reduce
-from itertools import chain, compress, islice, repeat
-from operator import add, eq, gt, itemgetter, le, sub
+from itertools import islice
+from operator import add, gt, itemgetter, le, sub
 from typing import Any, NamedTuple
 
 Record = dict[str, Any]
 
-_SEQ = itemgetter("seq")
-_ISSUE = itemgetter("issue")
-_END = itemgetter("end")
-_OP = itemgetter("op")
-_BYTES = itemgetter("bytes")
-_FOLD_STEPS = 8  # steps of per-op totals added up at once (few: their records are held till then)
+# Every field the step summary and the per-op totals read, in one lookup pass
+# per record (a filed record is cold in the cache by the time its step is
+# summarised; each further pass over the records costs more than its work).
+_FIELDS = itemgetter("seq", "issue", "end", "op", "bytes")
 
 # The summaries below are NamedTuples, not frozen dataclasses: one step builds
 # dozens of them, and a tuple is built several times faster (replay is bound by
@@ -143,10 +142,10 @@ class _Rank:
         "last",
         "steps_total",
         "step_seconds_total",
-        "_op_count",
-        "_op_bytes",
-        "_op_seconds",
-        "_op_pending",
+        "coll_count",
+        "coll_bytes",
+        "coll_seconds",
+        "_op_plan",
         "bad_fields",
     )
 
@@ -165,74 +164,64 @@ class _Rank:
         self.last: RankStep | None = None
         self.steps_total = 0
         self.step_seconds_total = 0.0
-        self._op_count: dict[str, int] = {}
-        self._op_bytes: dict[str, int] = {}
-        self._op_seconds: dict[str, float] = {}
-        # Summarised steps' columns not yet added to the per-op totals: adding
-        # many steps at once is a few C-level passes instead of a few per step.
-        self._op_pending: list[_Columns] = []
-        self.bad_fields = 0  # coll records whose op or bytes could not be added up
+        # Per-op totals of summarised collectives (the exporter's counters).
+        self.coll_count: dict[str, int] = {}
+        self.coll_bytes: dict[str, int] = {}
+        self.coll_seconds: dict[str, float] = {}
+        self._op_plan: _OpPlan | None = None
+        self.bad_fields = 0  # op or bytes fields of coll records that could not be added up
 
-    # Per-op totals of summarised collectives (the exporter's counters).
-    @property
-    def coll_count(self) -> dict[str, int]:
-        self.fold_ops()
-        return self._op_count
-
-    @property
-    def coll_bytes(self) -> dict[str, int]:
-        self.fold_ops()
-        return self._op_bytes
-
-    @property
-    def coll_seconds(self) -> dict[str, float]:
-        self.fold_ops()
-        return self._op_seconds
-
-    def fold_ops(self) -> None:
-        """Add the summarised steps' collectives to the per-op totals, in bulk."""
-        pending = self._op_pending
-        if not pending:
-            return
-        self._op_pending = []
-        colls = list(chain.from_iterable(c.colls for c in pending))
-        waits = list(chain.from_iterable(c.waits for c in pending))
-        try:
-            ops = list(map(_OP, colls))
-            nbytes = list(map(_BYTES, colls))
-            uniq = dict.fromkeys(ops)  # first-seen order, as the counters were created
-            sum(nbytes)  # numbers, or TypeError
-        except (KeyError, TypeError):
-            # A bad op or byte count (never from our hooks): the collective
-            # still counted when its step was summarised; here it is counted
-            # under str(op) with no bytes, and the bad field as malformed.
-            ops, nbytes = [], []
-            for c in colls:
-                op, b = c.get("op"), c.get("bytes")
-                ok_op = type(op) is str
-                ok_b = type(b) in (int, float)
-                self.bad_fields += (not ok_op) + (not ok_b)
-                ops.append(op if ok_op else str(op))
-                nbytes.append(b if ok_b else 0)
-            uniq = dict.fromkeys(ops)
-        cnt, nb, secs = self._op_count, self._op_bytes, self._op_seconds
-        for op in uniq:
-            if len(uniq) == 1:
-                n, b, w = len(ops), sum(nbytes), reduce(add, waits, 0.0)
-            else:
-                mask = list(map(eq, ops, repeat(op)))
-                n = sum(mask)
-                b = sum(compress(nbytes, mask))
-                w = reduce(add, compress(waits, mask), 0.0)
-            key = str(op)
+    def add_ops(self, cols: _Columns) -> None:
+        """Add one summarised step's collectives to the per-op totals."""
+        plan = self._op_plan
+        # FSDP issues the same collectives every step: the plan made for the
+        # last step still says how to add this one up (one tuple compare).
+        if plan is None or plan.ops != cols.ops or plan.nbytes != cols.nbytes:
+            plan = self._op_plan = _op_plan(cols.ops, cols.nbytes)
+        self.bad_fields += plan.bad
+        cnt, nb, secs = self.coll_count, self.coll_bytes, self.coll_seconds
+        waits = cols.waits
+        for key, n, b, idx in plan.per_op:
+            w = cols.total_wait if idx is None else reduce(add, map(waits.__getitem__, idx), 0.0)
             if key in cnt:
                 cnt[key] += n
                 nb[key] += b
                 secs[key] += w
             else:
                 cnt[key] = n
-                nb[key] = int(b)
+                nb[key] = b
                 secs[key] = w
+
+
+class _OpPlan(NamedTuple):
+    """How a step with these ``ops`` and ``nbytes`` adds up, per op: its key,
+    count, bytes and the positions of its waits (None: every position)."""
+
+    ops: Sequence[Any]
+    nbytes: Sequence[Any]
+    per_op: tuple[tuple[str, int, int, list[int] | None], ...]
+    bad: int  # ill-typed op or bytes fields in such a step
+
+
+def _op_plan(ops: Sequence[Any], nbytes: Sequence[Any]) -> _OpPlan:
+    # A bad op or byte count (never from our hooks): the collective still
+    # counted in its step's summary; here it is counted under str(op) with
+    # no bytes, and the bad field as malformed.
+    bad = 0
+    where: dict[str, list[int]] = {}
+    total: dict[str, int] = {}
+    for i, (op, b) in enumerate(zip(ops, nbytes, strict=True)):
+        if type(op) is not str:
+            bad += 1
+            op = str(op)
+        if type(b) not in (int, float):
+            bad += 1
+            b = 0
+        where.setdefault(op, []).append(i)
+        total[op] = total.get(op, 0) + int(b)
+    single = len(where) == 1
+    per_op = tuple((op, len(idx), total[op], None if single else idx) for op, idx in where.items())
+    return _OpPlan(tuple(ops), tuple(nbytes), per_op, bad)
 
 
 class _Pair:
@@ -290,35 +279,43 @@ def _as_index(name: str, value: Any) -> int:
 
 
 class _Columns(NamedTuple):
-    """One rank's collectives in one step, a list per field (duplicates dropped).
+    """One rank's collectives in one step, a sequence per field (duplicates
+    dropped). ``ops`` and ``nbytes`` are checked only when they are added to
+    the rank's totals (:meth:`_Rank.add_ops`)."""
 
-    ``colls`` are the records themselves, kept until their ops and bytes are
-    added to the rank's totals (:meth:`_Rank.fold_ops`).
-    """
-
-    colls: list[Record]
-    keys: list[Any]
-    issues: list[Any]
-    ends: list[Any]
+    keys: Sequence[Any]
+    issues: Sequence[Any]
+    ends: Sequence[Any]
     waits: list[float]
     total_wait: float  # sum of ``waits``, added left to right
+    ops: Sequence[Any]
+    nbytes: Sequence[Any]
 
 
 def _columns(colls: list[Record]) -> _Columns:
     """Columns of ``colls``; raises (KeyError, TypeError) on a bad record."""
+    try:
+        seqs, issues, ends, ops, nbytes = zip(*map(_FIELDS, colls), strict=True)
+    except KeyError:
+        # No op or bytes (never from our hooks): the collective still counts;
+        # the missing field is counted when the totals are added up.
+        seqs, issues, ends, ops, nbytes = zip(
+            *[(c["seq"], c["issue"], c["end"], c.get("op"), c.get("bytes")) for c in colls],
+            strict=True,
+        )
+    keys: Sequence[Any] = seqs
     if "group" in colls[0]:  # a rank's records all name a group, or none
-        keys: list[Any] = [(str(c.get("group")), c["seq"]) for c in colls]
-    else:
-        keys = list(map(_SEQ, colls))
+        keys = [(str(c.get("group")), seq) for c, seq in zip(colls, seqs, strict=True)]
     if len(set(keys)) != len(keys):  # a datagram delivered twice counts once
-        first: dict[Any, Record] = {}
-        for key, c in zip(keys, colls, strict=True):
-            first.setdefault(key, c)
-        keys, colls = list(first), list(first.values())
-    issues = list(map(_ISSUE, colls))
-    ends = list(map(_END, colls))
+        first: dict[Any, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        idx = list(first.values())
+        keys, issues, ends, ops, nbytes = (
+            tuple(col[i] for i in idx) for col in (keys, issues, ends, ops, nbytes)
+        )
     waits = list(map(sub, ends, issues))  # TypeError unless both are numbers
-    return _Columns(colls, keys, issues, ends, waits, reduce(add, waits, 0.0))
+    return _Columns(keys, issues, ends, waits, reduce(add, waits, 0.0), ops, nbytes)
 
 
 def _coll_ok(rec: Record) -> bool:
@@ -639,10 +636,7 @@ class Correlator:
                             if w <= hit[1]:
                                 last += 1
                 wait = _blocked(cols)
-                pending = rs._op_pending
-                pending.append(cols)
-                if len(pending) >= _FOLD_STEPS:
-                    rs.fold_ops()
+                rs.add_ops(cols)
             step_s: float | None = None
             compute: float | None = None
             if srec is not None:
@@ -777,12 +771,8 @@ class Correlator:
 
     def malformed_total(self) -> int:
         """Coll records dropped at summary time, plus bad op/bytes fields met
-        when adding up the per-op totals (which folds what is pending)."""
-        bad = 0
-        for rs in self.ranks.values():
-            rs.fold_ops()
-            bad += rs.bad_fields
-        return self.malformed + bad
+        when adding up the per-op totals."""
+        return self.malformed + sum(rs.bad_fields for rs in self.ranks.values())
 
     def pending_steps(self) -> list[int]:
         steps: set[int] = set()

@@ -265,6 +265,14 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def _host(summary: Summary, rank: int) -> str:
+    """The host a rank runs on, for a verdict (looked up only when one is made)."""
+    return next((lv.host for lv in summary.liveness if lv.rank == rank), "")
+
+
+_NEW_TRACK = RankTrack()
+
+
 def _verdict(
     t: float,
     step: int,
@@ -420,7 +428,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     """Score one summary against the state so far; return the report and the next state."""
     cfg = config
     verdicts: list[dict[str, Any]] = []
-    hosts = {lv.rank: lv.host for lv in summary.liveness}
     base = _median(state.job_hist) if len(state.job_hist) >= cfg.min_history else None
 
     lost, lost_verdicts = _judge_lost(summary, state, cfg, base)
@@ -469,14 +476,17 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     ref_step = job_step if job_step is not None else base
     scores: list[RankScore] = []
     any_candidate = False
+    need = (cfg.window + 1) // 2  # scores in the window before it has a median
+    low = max(cfg.min_effect, cfg.sustained_share * bar)  # the sustained rule's bar
     for rs in present:
-        tr = tracks.get(rs.rank, RankTrack())
+        tr = tracks.get(rs.rank)
+        if tr is None:
+            tr = _NEW_TRACK
         rel_now: float | None = None
         if ref_step and rs.matched and len(lates) >= 2:
             excess = rs.late_s - _median_without(lates_sorted, rs.late_s)
             rel_now = excess / max(ref_step - rs.late_s, 0.1 * ref_step, 1e-9)
         rel_hist = _push(tr.rel, rel_now, cfg.window) if rel_now is not None else tr.rel
-        need = (cfg.window + 1) // 2
         relative = _median(rel_hist) if len(rel_hist) >= need else None
         ind_now = None
         if rs.compute_s is not None and len(tr.compute_hist) >= cfg.min_history and base:
@@ -493,7 +503,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         # alike) against a lower bar. A median of n steps spreads about
         # sqrt(pi / 2n) of one step, so 9 steps need ~0.6 of the 3-step bar.
         rel_long = tr.rel_long
-        low = max(cfg.min_effect, cfg.sustained_share * bar)
         sustained = False
         if cfg.sustained_window:
             if rel_now is not None:
@@ -552,7 +561,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         ):
             compute_hist = _push(compute_hist, rs.compute_s, cfg.history)
 
-        host = hosts.get(rs.rank, "")
         if cause is None and candidate is not None and bad >= cfg.flag_after:
             cause, flagged_step = candidate, step
             score, evidence, peer = _evidence(candidate, rs, relative, individual, net, stretch)
@@ -563,7 +571,17 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             evidence["job_step_s"] = _r(job_step)
             evidence["baseline_step_s"] = _r(base)
             verdicts.append(
-                _verdict(summary.t, step, rs.rank, "flagged", cause, score, host, evidence, peer)
+                _verdict(
+                    summary.t,
+                    step,
+                    rs.rank,
+                    "flagged",
+                    cause,
+                    score,
+                    _host(summary, rs.rank),
+                    evidence,
+                    peer,
+                )
             )
         elif cause is not None and candidate is None and clean >= cfg.clear_after:
             verdicts.append(
@@ -574,7 +592,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
                     "cleared",
                     cause,
                     (relative or 0.0) if cause == "compute" else net.ratio.get(rs.rank, 0.0),
-                    host,
+                    _host(summary, rs.rank),
                     {"clean_steps": clean, "flagged_step": flagged_step},
                 )
             )

@@ -75,6 +75,34 @@ def test_blocked_time_is_the_union_of_overlapping_collectives() -> None:
     assert c.ranks[0].coll_bytes == {"all_gather": 2000, "reduce_scatter": 1000}
 
 
+def test_per_op_totals_follow_each_step_and_count_bad_fields() -> None:
+    # Two steps with the same collectives (FSDP repeats them), then one whose
+    # op and byte fields are wrong: those collectives still count in their
+    # step's summary, go under str(op) with no bytes, and each bad field is
+    # counted as malformed.
+    c = Correlator()
+    for step in (0, 1):
+        t = 10.0 * step
+        c.add_coll(coll(0, step, 0, t, t + 0.25))
+        c.add_coll(coll(0, step, 1, t + 1.0, t + 1.5, op="reduce_scatter"))
+        c.step_summary(step, now=t + 2.0)
+    assert c.ranks[0].coll_count == {"all_gather": 2, "reduce_scatter": 2}
+    assert c.ranks[0].coll_bytes == {"all_gather": 2000, "reduce_scatter": 2000}
+    assert c.ranks[0].coll_seconds == pytest.approx({"all_gather": 0.5, "reduce_scatter": 1.0})
+    bad = coll(0, 2, 0, 20.0, 20.5)
+    bad["op"], bad["bytes"] = 7, "many"
+    nameless = coll(0, 2, 1, 21.0, 21.25)
+    del nameless["op"]
+    c.add_coll(bad)
+    c.add_coll(nameless)
+    c.add_step(step_rec(0, 2, 19.9, 21.5))
+    (rs,) = c.step_summary(2, now=22.0).ranks
+    assert rs.wait_s == pytest.approx(0.75)
+    assert c.ranks[0].coll_count == {"all_gather": 2, "reduce_scatter": 2, "7": 1, "None": 1}
+    assert c.ranks[0].coll_bytes["7"] == 0 and c.ranks[0].coll_bytes["None"] == 1000
+    assert c.malformed_total() == 3  # op 7, bytes "many", no op
+
+
 def test_group_field_keeps_collectives_of_different_groups_apart() -> None:
     # HSDP: seq 0 on ranks 0,1 is one shard group's all-gather, on 2,3 another's.
     c = Correlator()
