@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 Record = dict[str, Any]
 
 # Every field the step summary and the per-op totals read, in one lookup pass
-# per record (a filed record is cold in the cache by the time its step is
-# summarised; each further pass over the records costs more than its work).
+# per record: the per-op totals then work on these columns, so no record has
+# to be kept (or read again) after its step is summarised.
 _FIELDS = itemgetter("seq", "issue", "end", "op", "bytes")
 
 # The summaries below are NamedTuples, not frozen dataclasses: one step builds

@@ -7,8 +7,9 @@ detection's truth files): ``slow_link``, ``noisy_neighbor``, ``slow_compute``,
 ``packet_loss``, ``rank_kill``.
 
 Stacking: a host's link may carry a rate (tbf) and packet loss (clsact, on
-the switch's port; one packet-loss fault per host at a time) at once; a slow link changes the tbf's rate in place and its clear restores the
-lab's rate. Noisy-neighbour processes live in the host's namespace but not in
+the switch's port; one packet-loss fault per host at a time) at once; a
+slow link changes the tbf's rate in place and its clear restores the lab's
+rate. Noisy-neighbour processes live in the host's namespace but not in
 its cgroup, so they neither count against a CPU quota nor get killed as the
 rank.
 """
