@@ -26,18 +26,24 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import reduce
 from itertools import islice
 from operator import add, gt, itemgetter, le, sub
 from typing import Any, NamedTuple
 
+from fsdp_sentinel.trace import KEY
+
 Record = dict[str, Any]
+
+# The hot paths look fields up with the parser's own key objects (an identity
+# hit in each record's dict; see trace.KEY).
+_END, _RANK, _STEP, _GROUP = KEY["end"], KEY["rank"], KEY["step"], KEY["group"]
 
 # Every field the step summary and the per-op totals read, in one lookup pass
 # per record: the per-op totals then work on these columns, so no record has
 # to be kept (or read again) after its step is summarised.
-_FIELDS = itemgetter("seq", "issue", "end", "op", "bytes")
+_FIELDS = itemgetter(*(KEY[f] for f in ("seq", "issue", "end", "op", "bytes")))
 
 # The summaries below are NamedTuples, not frozen dataclasses: one step builds
 # dozens of them, and a tuple is built several times faster (replay is bound by
@@ -181,8 +187,8 @@ class _Rank:
         self.bad_fields += plan.bad
         cnt, nb, secs = self.coll_count, self.coll_bytes, self.coll_seconds
         waits = cols.waits
-        for key, n, b, idx in plan.per_op:
-            w = cols.total_wait if idx is None else reduce(add, map(waits.__getitem__, idx), 0.0)
+        for key, n, b, pick in plan.per_op:
+            w = cols.total_wait if pick is None else sum(pick(waits))
             if key in cnt:
                 cnt[key] += n
                 nb[key] += b
@@ -195,11 +201,11 @@ class _Rank:
 
 class _OpPlan(NamedTuple):
     """How a step with these ``ops`` and ``nbytes`` adds up, per op: its key,
-    count, bytes and the positions of its waits (None: every position)."""
+    count, bytes and what picks its waits out of the step's (None: all of them)."""
 
     ops: Sequence[Any]
     nbytes: Sequence[Any]
-    per_op: tuple[tuple[str, int, int, list[int] | None], ...]
+    per_op: tuple[tuple[str, int, int, Callable[[Sequence[float]], Sequence[float]] | None], ...]
     bad: int  # ill-typed op or bytes fields in such a step
 
 
@@ -220,8 +226,18 @@ def _op_plan(ops: Sequence[Any], nbytes: Sequence[Any]) -> _OpPlan:
         where.setdefault(op, []).append(i)
         total[op] = total.get(op, 0) + int(b)
     single = len(where) == 1
-    per_op = tuple((op, len(idx), total[op], None if single else idx) for op, idx in where.items())
+    per_op = tuple(
+        (op, len(idx), total[op], None if single else _picker(idx)) for op, idx in where.items()
+    )
     return _OpPlan(tuple(ops), tuple(nbytes), per_op, bad)
+
+
+def _picker(idx: list[int]) -> Callable[[Sequence[float]], Sequence[float]]:
+    """The items at ``idx`` of a sequence, as a tuple, in one C call."""
+    if len(idx) == 1:
+        (i,) = idx
+        return lambda seq: (seq[i],)
+    return itemgetter(*idx)
 
 
 class _Pair:
@@ -304,7 +320,7 @@ def _columns(colls: list[Record]) -> _Columns:
             strict=True,
         )
     keys: Sequence[Any] = seqs
-    if "group" in colls[0]:  # a rank's records all name a group, or none
+    if _GROUP in colls[0]:  # a rank's records all name a group, or none
         keys = [(str(c.get("group")), seq) for c, seq in zip(colls, seqs, strict=True)]
     if len(set(keys)) != len(keys):  # a datagram delivered twice counts once
         first: dict[Any, int] = {}
@@ -361,6 +377,8 @@ class Correlator:
         self.job_done = -1
         self.max_coll_step = -1  # newest step any rank reported collectives of
         self._reports: dict[int, int] = {}  # step -> ranks whose step record is filed
+        self.summarised = -(10**18)  # newest step summarised
+        self._colls_dropped = 0  # coll records summarised or dropped as late
         self.late_records = 0
         self.malformed = 0  # coll records dropped at summary time for a bad field
         self.unattributed_flows = 0
@@ -418,27 +436,49 @@ class Correlator:
         the filing keys are checked here. The fields the summary reads are
         checked there, a whole step's columns at a time (:func:`_columns`),
         where a bad record is dropped alone and counted in ``malformed``.
+        A record for a step already summarised is counted late and dropped;
+        then the returned time is -inf (it moves no clock).
         """
-        end = rec["end"]
-        rank = rec["rank"]
+        end = rec[_END]
+        rank = rec[_RANK]
+        rs = self.ranks.get(rank)
+        if rs is not None:
+            lst = rs.colls.get(rec[_STEP])
+            if lst is not None:  # not its step's first record: just file it
+                if end > rs.last_t:  # a number, or TypeError before anything is filed
+                    rs.last_t = end
+                lst.append(rec)
+                return end
+        return self._add_first_coll(rec, end, rank)
+
+    def _add_first_coll(self, rec: Record, end: Any, rank: Any) -> Any:
+        """:meth:`add_coll` for the first record of a (rank, step), or a late one."""
+        step = rec[_STEP]
+        # A summarised step's records are gone, so every late record comes here.
+        if step <= self.summarised:
+            self.late_records += 1
+            self._colls_dropped += 1
+            return -math.inf
+        step = _as_index("step", step)
         rs = self.ranks.get(rank)
         if rs is None:
             rs = self.rank_of(_as_index("rank", rank))
         if end > rs.last_t:  # a number, or TypeError before anything is filed
             rs.last_t = end
-        step = rec["step"]
-        lst = rs.colls.get(step)
-        if lst is None:
-            step = _as_index("step", step)
-            lst = rs.colls[step] = []
-            if step > rs.max_coll_step:
-                rs.max_coll_step = step
-                if step > self.max_coll_step:
-                    self.max_coll_step = step
-            if rs.first_step is None or step < rs.first_step:
-                rs.first_step = step
-        lst.append(rec)
+        lst = rs.colls[step] = [rec]
+        if step > rs.max_coll_step:
+            rs.max_coll_step = step
+            if step > self.max_coll_step:
+                self.max_coll_step = step
+        if rs.first_step is None or step < rs.first_step:
+            rs.first_step = step
+        del lst  # filed
         return end
+
+    def coll_records(self) -> int:
+        """``coll`` records filed (pending, summarised or dropped as late)."""
+        pending = sum(len(lst) for rs in self.ranks.values() for lst in rs.colls.values())
+        return self._colls_dropped + pending
 
     def _local_rank(self, host: str, pid: int) -> int | None:
         r = self._pid_rank.get((host, pid))
@@ -580,6 +620,8 @@ class Correlator:
 
     def step_summary(self, step: int, now: float) -> Summary:
         """Summarise ``step`` across ranks and forget its records."""
+        if step > self.summarised:
+            self.summarised = step
         # Each rank's collectives become columns (keys, issue, end, wait) in a
         # few C-level passes; lateness needs, per collective, the longest and
         # shortest wait in its group (the same key on every member).
@@ -589,6 +631,8 @@ class Correlator:
             rs = ranks[rank]
             srec = rs.steps.pop(step, None)
             colls = rs.colls.pop(step, None)
+            if colls:
+                self._colls_dropped += len(colls)
             if srec is None and not colls:
                 continue
             per_rank.append((rs, srec, self._columns(colls) if colls else None))
@@ -667,7 +711,9 @@ class Correlator:
                     self.late_records += 1
             if rs.colls and min(rs.colls) < step:
                 for old in [s for s in rs.colls if s < step]:
-                    self.late_records += len(rs.colls.pop(old))
+                    n = len(rs.colls.pop(old))
+                    self.late_records += n
+                    self._colls_dropped += n
         return self._summary(now, step, tuple(out))
 
     def _columns(self, colls: list[Record]) -> _Columns | None:

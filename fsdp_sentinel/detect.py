@@ -30,7 +30,7 @@ clean ones, so a one-step spike (a GC pause, a burst of jitter) never is.
 from __future__ import annotations
 
 import json
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from itertools import repeat
@@ -159,6 +159,7 @@ class RankTrack(NamedTuple):
     cause: str | None = None
     flagged_step: int | None = None
     rel_long: tuple[float, ...] = ()  # the last ``sustained_window`` relative scores
+    compute_sorted: tuple[float, ...] = ()  # ``compute_hist`` in ascending order
 
 
 @dataclass(frozen=True)
@@ -247,18 +248,58 @@ def _median_without(ordered: list[float], value: float) -> float:
     Equals ``_median`` of that shorter list (the same elements are read), in
     O(log n) instead of a copy and a sort per rank.
     """
-    i = bisect_left(ordered, value)
+    i = bisect_left(ordered, value)  # the left-out value's place: later ones shift down
     n = len(ordered) - 1
     mid = n // 2
+    upper = ordered[mid] if mid < i else ordered[mid + 1]
+    if n % 2:
+        return upper
+    lower = ordered[mid - 1] if mid - 1 < i else ordered[mid]
+    return (lower + upper) / 2.0
 
-    def at(k: int) -> float:
-        return ordered[k] if k < i else ordered[k + 1]
 
-    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2.0
+def _median_sorted(ordered: Sequence[float]) -> float:
+    """``_median`` of values already in ascending order (no copy, no sort)."""
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def _mad(xs: Sequence[float]) -> float:
+    """The median absolute deviation from the median of ``xs`` (not empty).
+
+    Sorted once: the deviations of the values below the median, read from the
+    median outwards, and of those above it, are two ascending runs, which
+    ``sorted`` merges in one linear pass instead of sorting them afresh.
+    """
+    s = sorted(xs)
+    n = len(s)
+    mid = n // 2
+    med = s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2.0
+    cut = bisect_left(s, med)
+    # med - x is exactly -(x - med), so these are the values abs(x - med) gives.
+    devs = sorted([*map(sub, repeat(med), reversed(s[:cut])), *map(sub, s[cut:], repeat(med))])
+    return devs[mid] if n % 2 else (devs[mid - 1] + devs[mid]) / 2.0
 
 
 def _push(hist: tuple[float, ...], value: float, keep: int) -> tuple[float, ...]:
     return (hist + (value,))[-keep:]
+
+
+def _push_sorted(
+    hist: tuple[float, ...], ordered: tuple[float, ...], value: float, keep: int
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``_push`` onto ``hist``, and the same change to ``ordered`` (``hist`` sorted).
+
+    Keeping the sorted copy makes a long history's median a lookup instead of
+    a sort every step.
+    """
+    new = (hist + (value,))[-keep:]
+    lst = list(ordered)
+    for old in hist[: len(hist) + 1 - len(new)]:  # the values that fell out
+        del lst[bisect_left(lst, old)]
+    insort(lst, value)
+    return new, tuple(lst)
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -306,7 +347,7 @@ class _NetView(NamedTuple):
 
     ratio: dict[int, float]
     share: dict[int, float]
-    worst_peer: dict[int, int]
+    touching: dict[int, list[PairFlow]]  # rank -> the active flows it sends or receives
     touching_us: dict[int, float]
     others_us: dict[int, float]
     ambiguous: bool
@@ -327,7 +368,6 @@ def _network_view(
     active = [p for p in flows if p.srtt_us is not None and p.tx_bytes >= cfg.net_min_bytes]
     ratio: dict[int, float] = {}
     share: dict[int, float] = {}
-    worst: dict[int, int] = {}
     touching_us: dict[int, float] = {}
     others_us: dict[int, float] = {}
     ambiguous = False
@@ -337,8 +377,9 @@ def _network_view(
     sent_share: dict[int, float] = {}
     # Each rank's active flows in one pass (same order as ``active``), and its
     # retransmits touching / sent, instead of a scan of every flow per rank.
-    # (rank, peer, srtt) of the active flows: srtt is never None here.
-    ends: list[tuple[int, int, float]] = [(p.rank, p.peer, p.srtt_us or 0.0) for p in active]
+    # The srtt of every active flow, ascending: the flows not touching a rank
+    # are these less its own (srtt is never None here).
+    everyone: list[float] = sorted(p.srtt_us or 0.0 for p in active)
     touching: dict[int, list[PairFlow]] = {}
     for p in active:
         touching.setdefault(p.rank, []).append(p)
@@ -356,13 +397,15 @@ def _network_view(
         touch = touching.get(r)
         if not touch:
             continue
-        rest = [s for a, b, s in ends if a != r and b != r]
         # The lowest srtt of its flows: a slow host slows every flow it touches,
         # while its neighbours have one slow flow (to it) and normal others.
         t_med = min(map(_SRTT, touch))
         touching_us[r] = t_med
-        if rest:
-            o_med = _median(rest)
+        if len(touch) < len(active):
+            rest = everyone.copy()
+            for p in touch:
+                del rest[bisect_left(rest, p.srtt_us or 0.0)]
+            o_med = _median_sorted(rest)
         elif srtt_base:
             o_med = srtt_base
             ambiguous = True
@@ -372,8 +415,6 @@ def _network_view(
             continue
         others_us[r] = o_med
         ratio[r] = t_med / o_med if o_med > 0 else 1.0
-        _s, top_rank, top_peer = max((p.srtt_us, -p.rank, -p.peer) for p in touch)
-        worst[r] = -top_peer if -top_rank == r else -top_rank
         if total_retrans:
             share[r] = re_touch.get(r, 0) / total_retrans
             sent_share[r] = re_sent.get(r, 0) / total_retrans
@@ -394,13 +435,11 @@ def _network_view(
         suppressed=suppressed,
         ratio=ratio,
         share=share,
-        worst_peer=worst,
+        touching=touching,
         touching_us=touching_us,
         others_us=others_us,
         ambiguous=ambiguous,
-        all_median_us=_median([p.srtt_us for p in active if p.srtt_us is not None])
-        if active
-        else None,
+        all_median_us=_median_sorted(everyone) if everyone else None,
         total_retrans=total_retrans,
         sent_share=sent_share,
     )
@@ -431,7 +470,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     base = _median(state.job_hist) if len(state.job_hist) >= cfg.min_history else None
 
     lost, lost_verdicts = _judge_lost(summary, state, cfg, base)
-    tracks = dict(state.tracks)
     if summary.step is None:
         verdicts.extend(lost_verdicts)
         return Report(
@@ -447,6 +485,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         )
 
     step = summary.step
+    tracks = dict(state.tracks)
     present = [rs for rs in summary.ranks if rs.rank not in lost]
     steps = [rs.step_s for rs in present if rs.step_s is not None]
     job_step = _median(steps) if steps else None
@@ -467,9 +506,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     lates_sorted = sorted(lates.values())
     bar = cfg.min_effect
     if len(state.rel_noise) >= 2 * cfg.min_history:
-        med = _median(state.rel_noise)
-        mad = _median(list(map(abs, map(sub, state.rel_noise, repeat(med)))))
-        bar = max(bar, cfg.noise_k * 1.4826 * mad)
+        bar = max(bar, cfg.noise_k * 1.4826 * _mad(state.rel_noise))
     rel_seen: list[float] = []
     suspect = False
     warm = len(state.rel_noise) >= 2 * cfg.min_history
@@ -490,7 +527,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         relative = _median(rel_hist) if len(rel_hist) >= need else None
         ind_now = None
         if rs.compute_s is not None and len(tr.compute_hist) >= cfg.min_history and base:
-            ind_now = (rs.compute_s - _median(tr.compute_hist)) / base
+            ind_now = (rs.compute_s - _median_sorted(tr.compute_sorted)) / base
         ind_hist = _push(tr.ind, ind_now, cfg.window) if ind_now is not None else tr.ind
         individual = _median(ind_hist) if len(ind_hist) >= need and ind_now is not None else None
         if rel_now is not None:
@@ -552,14 +589,16 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         elif informative or stretch is not None:
             bad, clean = 0, clean + 1
         cause, flagged_step = tr.cause, tr.flagged_step
-        compute_hist = tr.compute_hist
+        compute_hist, compute_sorted = tr.compute_hist, tr.compute_sorted
         if (
             candidate is None
             and cause is None
             and rs.compute_s is not None
             and (rel_now is None or rel_now < bar)
         ):
-            compute_hist = _push(compute_hist, rs.compute_s, cfg.history)
+            compute_hist, compute_sorted = _push_sorted(
+                compute_hist, compute_sorted, rs.compute_s, cfg.history
+            )
 
         if cause is None and candidate is not None and bad >= cfg.flag_after:
             cause, flagged_step = candidate, step
@@ -597,30 +636,34 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
                 )
             )
             cause, flagged_step = None, None
+        # Positional, in field order: a NamedTuple called with keywords takes
+        # twice as long, and this runs for every rank of every step.
         tracks[rs.rank] = RankTrack(
-            rel=rel_hist,
-            ind=ind_hist,
-            compute_hist=compute_hist,
-            bad=bad,
-            clean=clean,
-            cause=cause,
-            flagged_step=flagged_step,
-            rel_long=rel_long,
+            rel_hist,
+            ind_hist,
+            compute_hist,
+            bad,
+            clean,
+            cause,
+            flagged_step,
+            rel_long,
+            compute_sorted,
         )
+        matched = rs.matched
         scores.append(
             RankScore(
-                rank=rs.rank,
-                relative=relative,
-                individual=individual,
-                network=net.ratio.get(rs.rank),
-                retrans_share=net.share.get(rs.rank),
-                late_s=rs.late_s if rs.matched else None,
-                compute_s=rs.compute_s,
-                wait_s=rs.wait_s,
-                last_frac=rs.last_frac if rs.matched else None,
-                candidate=candidate,
-                state="flagged" if cause else "ok",
-                cause=cause,
+                rs.rank,
+                relative,
+                individual,
+                net.ratio.get(rs.rank),  # network
+                net.share.get(rs.rank),  # retrans_share
+                rs.late_s if matched else None,
+                rs.compute_s,
+                rs.wait_s,
+                rs.last_frac if matched else None,
+                candidate,
+                "flagged" if cause else "ok",  # state
+                cause,
             )
         )
 
@@ -718,7 +761,13 @@ def _evidence(
     if net.ambiguous:
         ev["unsure"] = "every flow touches this rank: cannot tell which end is slow"
         ev["candidates"] = sorted({rs.rank, *net.suppressed})
-    return ratio, ev, net.worst_peer.get(rs.rank)
+    return ratio, ev, _worst_peer(net, rs.rank)
+
+
+def _worst_peer(net: _NetView, rank: int) -> int:
+    """The other end of the slowest active flow touching ``rank`` (ties: lowest ranks)."""
+    _s, top_rank, top_peer = max((p.srtt_us, -p.rank, -p.peer) for p in net.touching[rank])
+    return -top_peer if -top_rank == rank else -top_rank
 
 
 def _judge_lost(

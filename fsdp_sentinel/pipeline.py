@@ -26,6 +26,10 @@ from typing import Any
 from fsdp_sentinel.correlate import Correlator
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
+from fsdp_sentinel.trace import KEY
+
+# Looked up with the parser's own key objects on the hot path (see trace.KEY).
+_KIND = KEY["kind"]
 
 Record = dict[str, Any]
 
@@ -56,7 +60,7 @@ class Pipeline:
         self.open: dict[int, Record] = {}  # rank -> its open flagged verdict
         self.verdicts_total: dict[str, int] = {}
         self._totals: dict[str, int] = {}  # records by kind, but coll
-        self._colls_seen = 0
+        self._colls_bad = 0  # coll records refused before filing (malformed)
         self._next_tick = -math.inf  # -inf: not started (set by the first timed record)
         self._need: dict[int, tuple[int, int]] = {}  # step -> (lost epoch, ranks expected)
         self._lost_epoch = 0  # bumped whenever a rank is declared lost or back
@@ -79,16 +83,12 @@ class Pipeline:
 
     def feed(self, rec: Record) -> Sequence[Record]:
         """File one record; return the verdict records it caused (usually none)."""
-        kind: str = rec.get("kind")  # type: ignore[assignment]
+        kind: str = rec.get(_KIND)  # type: ignore[assignment]
         if kind == "coll":
-            # The hot path (most records): counted in an attribute, filed by
-            # the correlator, the stream clock moved; the rest of the checks
-            # happen a step at a time when the step is summarised.
-            self._colls_seen += 1
+            # The hot path (most records): filed (and counted, or dropped as
+            # late) by the correlator, the stream clock moved; the rest of the
+            # checks happen a step at a time when the step is summarised.
             try:
-                if rec["step"] <= self._done:
-                    self._late += 1
-                    return _NOTHING
                 end = self._add_coll(rec)
                 if end > self.now:
                     self.now = float(end)
@@ -97,6 +97,7 @@ class Pipeline:
                 return _NOTHING
             except (KeyError, TypeError, ValueError, AttributeError):
                 self._malformed += 1
+                self._colls_bad += 1
                 return _NOTHING
         totals = self._totals
         handler = self._handlers.get(kind)
@@ -128,8 +129,9 @@ class Pipeline:
     def records_total(self) -> dict[str, int]:
         """Records fed, by kind (kinds not known to the pipeline as ``other``)."""
         out = dict(self._totals)
-        if self._colls_seen:
-            out["coll"] = self._colls_seen
+        colls = self.corr.coll_records() + self._colls_bad
+        if colls:
+            out["coll"] = colls
         return out
 
     @property

@@ -242,3 +242,26 @@ def test_synced_record_survives_sigkill(tmp_path: Path, suffix: str) -> None:
     recs = list(TraceReader(path, strict=False))
     assert recs[0]["kind"] == "header"
     assert recs[1]["step"] == 1  # the synced record is on disk
+
+
+def test_wire_keys_find_the_same_fields(tmp_path: Path) -> None:
+    """The hot paths look fields up with ``trace.KEY`` (see ``_wire_keys``).
+
+    Correctness must never depend on the parser's key cache: a lookup with a
+    KEY object finds the field whether or not it is the very object in the
+    record (orjson's cache has collisions: ``seq`` and ``bytes`` evict each
+    other, so one of them is a fresh string in every ``coll`` record). The key
+    every record is dispatched on, ``kind``, is the parser's own object, which
+    is what makes the reader's checks cheap.
+    """
+    from fsdp_sentinel.trace import KEY
+
+    path = tmp_path / "t.jsonl.zst"
+    with TraceWriter(path) as w:
+        w.write(COLL)
+        w.write(STEP)
+    recs = [r for r in TraceReader(path) if r["kind"] != "header"]
+    assert recs == [COLL, STEP]
+    for rec in recs:
+        assert {k: rec[KEY[k]] for k in rec} == rec
+        assert next(iter(rec)) is KEY["kind"]
