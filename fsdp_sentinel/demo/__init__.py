@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fsdp_sentinel.demo.scenarios import DEFAULT, SCENARIOS
+from fsdp_sentinel.interrupts import unwinding_on_signals
 
 HELP = "a lab cluster, the bundled trainer, a chosen fault and the daemon, end to end"
 DESCRIPTION = (
@@ -151,17 +151,6 @@ def _usage_error(problem: str) -> None:
     print(f"{USAGE}\nfsdp-sentinel demo: error: {problem}", file=sys.stderr)
 
 
-_MAIN_PID = os.getpid()
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    # Only the demo itself unwinds on SIGTERM: a forked helper (pyroute2
-    # forks to enter namespaces) inherits this handler and must just die.
-    if os.getpid() != _MAIN_PID:
-        os._exit(128 + signum)
-    raise KeyboardInterrupt
-
-
 def main(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem:
@@ -195,8 +184,6 @@ def main(args: argparse.Namespace) -> int:
             f"onset step {cfg.onset_step()} is not before the last step ({cfg.total_steps()} steps)"
         )
         return 2
-    global _MAIN_PID
-    _MAIN_PID = os.getpid()
     if os.geteuid() != 0:
         print(
             "fsdp-sentinel demo: error: needs root (it builds network namespaces, shapes "
@@ -204,17 +191,15 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        result = run_demo(cfg)
+        with unwinding_on_signals():
+            result = run_demo(cfg)
     except KeyboardInterrupt:
         print("fsdp-sentinel demo: interrupted; lab, job and daemon removed", file=sys.stderr)
         return 130
     except Exception as e:  # a lab or daemon that could not start: say what, exit 1
         print(f"fsdp-sentinel demo: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print()
     for line in result.summary:
         print(line)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
-from typing import Any
+
+from fsdp_sentinel.interrupts import unwinding_on_signals
 
 HELP = "build, inspect or remove a network-namespace lab (hosts on a shaped bridge)"
 EPILOG = """examples:
@@ -42,23 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--json", action="store_true", help="JSON instead of a table")
 
 
-def _interrupt_handler() -> Any:
-    """SIGTERM -> KeyboardInterrupt, in this process only.
-
-    pyroute2 forks short-lived children (one per namespace socket) and stops
-    them with SIGTERM; a child that inherited a raising handler would unwind
-    a copy of our stack and run the lab's cleanup from the wrong process.
-    """
-    owner = os.getpid()
-
-    def handler(signum: int, frame: Any) -> None:
-        if os.getpid() != owner:
-            os._exit(128 + signum)
-        raise KeyboardInterrupt
-
-    return handler
-
-
 def _up(args: argparse.Namespace) -> int:
     from fsdp_sentinel.lab import status
     from fsdp_sentinel.lab.config import LabConfig, LabError
@@ -74,25 +57,24 @@ def _up(args: argparse.Namespace) -> int:
     except LabError as e:
         print(f"fsdp-sentinel lab up: {e}", file=sys.stderr)
         return 2
-    # SIGTERM cleans up like Ctrl-C: the finally below removes the lab.
-    old = signal.signal(signal.SIGTERM, _interrupt_handler())
-    lab = Lab(cfg)
-    try:
-        print(status.format_table(status.describe(cfg.name)), flush=True)
-        if args.detach:
-            lab.detach()
-            print(f"left up; remove with: fsdp-sentinel lab down --name {cfg.name}")
-            return 0
-        print("lab up; Ctrl-C removes it", flush=True)
+    # Ctrl-C and SIGTERM raise KeyboardInterrupt: the finally below removes the lab.
+    with unwinding_on_signals():
+        lab = Lab(cfg)
         try:
-            while True:
-                signal.pause()
-        except KeyboardInterrupt:
-            pass
-        return 0
-    finally:
-        lab.close()
-        signal.signal(signal.SIGTERM, old)
+            print(status.format_table(status.describe(cfg.name)), flush=True)
+            if args.detach:
+                lab.detach()
+                print(f"left up; remove with: fsdp-sentinel lab down --name {cfg.name}")
+                return 0
+            print("lab up; Ctrl-C removes it", flush=True)
+            try:
+                while True:
+                    signal.pause()
+            except KeyboardInterrupt:
+                pass
+            return 0
+        finally:
+            lab.close()
 
 
 def main(args: argparse.Namespace) -> int:
