@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "trace": 0,
     "snapshot": 0,
     "hostinfo": 0,
+    "interrupts": 0,
     "truth": 0,
     # sources of records
     "emit": 1,
