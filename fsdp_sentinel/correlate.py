@@ -378,7 +378,7 @@ class Correlator:
         self.max_coll_step = -1  # newest step any rank reported collectives of
         self._reports: dict[int, int] = {}  # step -> ranks whose step record is filed
         self.summarised = -(10**18)  # newest step summarised
-        self._colls_dropped = 0  # coll records summarised or dropped as late
+        self._colls_done = 0  # coll records no longer filed: summarised, or dropped as late
         self.late_records = 0
         self.malformed = 0  # coll records dropped at summary time for a bad field
         self.unattributed_flows = 0
@@ -457,7 +457,7 @@ class Correlator:
         # A summarised step's records are gone, so every late record comes here.
         if step <= self.summarised:
             self.late_records += 1
-            self._colls_dropped += 1
+            self._colls_done += 1
             return -math.inf
         step = _as_index("step", step)
         rs = self.ranks.get(rank)
@@ -465,20 +465,19 @@ class Correlator:
             rs = self.rank_of(_as_index("rank", rank))
         if end > rs.last_t:  # a number, or TypeError before anything is filed
             rs.last_t = end
-        lst = rs.colls[step] = [rec]
+        rs.colls[step] = [rec]
         if step > rs.max_coll_step:
             rs.max_coll_step = step
             if step > self.max_coll_step:
                 self.max_coll_step = step
         if rs.first_step is None or step < rs.first_step:
             rs.first_step = step
-        del lst  # filed
         return end
 
     def coll_records(self) -> int:
         """``coll`` records filed (pending, summarised or dropped as late)."""
         pending = sum(len(lst) for rs in self.ranks.values() for lst in rs.colls.values())
-        return self._colls_dropped + pending
+        return self._colls_done + pending
 
     def _local_rank(self, host: str, pid: int) -> int | None:
         r = self._pid_rank.get((host, pid))
@@ -632,7 +631,7 @@ class Correlator:
             srec = rs.steps.pop(step, None)
             colls = rs.colls.pop(step, None)
             if colls:
-                self._colls_dropped += len(colls)
+                self._colls_done += len(colls)
             if srec is None and not colls:
                 continue
             per_rank.append((rs, srec, self._columns(colls) if colls else None))
@@ -713,7 +712,7 @@ class Correlator:
                 for old in [s for s in rs.colls if s < step]:
                     n = len(rs.colls.pop(old))
                     self.late_records += n
-                    self._colls_dropped += n
+                    self._colls_done += n
         return self._summary(now, step, tuple(out))
 
     def _columns(self, colls: list[Record]) -> _Columns | None:

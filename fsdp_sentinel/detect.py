@@ -236,10 +236,7 @@ class Report(NamedTuple):
 
 
 def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    mid = n // 2
-    return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2.0
+    return _median_sorted(sorted(xs))
 
 
 def _median_without(ordered: list[float], value: float) -> float:
@@ -273,13 +270,11 @@ def _mad(xs: Sequence[float]) -> float:
     ``sorted`` merges in one linear pass instead of sorting them afresh.
     """
     s = sorted(xs)
-    n = len(s)
-    mid = n // 2
-    med = s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2.0
+    med = _median_sorted(s)
     cut = bisect_left(s, med)
     # med - x is exactly -(x - med), so these are the values abs(x - med) gives.
     devs = sorted([*map(sub, repeat(med), reversed(s[:cut])), *map(sub, s[cut:], repeat(med))])
-    return devs[mid] if n % 2 else (devs[mid - 1] + devs[mid]) / 2.0
+    return _median_sorted(devs)
 
 
 def _push(hist: tuple[float, ...], value: float, keep: int) -> tuple[float, ...]:

@@ -64,7 +64,6 @@ class Pipeline:
         self._next_tick = -math.inf  # -inf: not started (set by the first timed record)
         self._need: dict[int, tuple[int, int]] = {}  # step -> (lost epoch, ranks expected)
         self._lost_epoch = 0  # bumped whenever a rank is declared lost or back
-        self._done = -(10**18)  # newest step summarised
         self._late = 0
         self._malformed = 0
         self._steps = 0
@@ -260,7 +259,7 @@ class Pipeline:
 
     def _on_step(self, rec: Record) -> list[Record]:
         step = rec["step"]
-        if step <= self._done:
+        if step <= self.corr.summarised:
             self._late += 1
             return []
         rs, step = self.corr.add_step(rec)
@@ -279,7 +278,7 @@ class Pipeline:
             ready = n >= need[1]
         if ready:
             out.extend(self._finalize_through(step))
-        elif step - self.finalize_lag > self._done:
+        elif step - self.finalize_lag > self.corr.summarised:
             out.extend(self._finalize_through(step - self.finalize_lag))
         return out
 
@@ -302,9 +301,8 @@ class Pipeline:
         return out
 
     def _finalize(self, step: int) -> list[Record]:
-        if step <= self._done:
+        if step <= self.corr.summarised:
             return []
-        self._done = step
         for old in [s for s in self._need if s <= step]:
             del self._need[old]
         self._steps += 1

@@ -59,7 +59,7 @@ def _wire_keys(names: Iterable[str]) -> dict[str, str]:
     and hands the same object to every record that has that key. A dict
     lookup with that object is an identity hit; with an equal string made
     elsewhere (a literal in this code) every lookup also compares the bytes,
-    which was a fifth of the time spent parsing a trace. So the hot paths look
+    which was 18 % of the time spent parsing a trace. So the hot paths look
     fields up with these objects. Nothing depends on it being so: when the
     parser does not cache (the json fallback, or a cache slot taken over by
     another key) the lookups are just as correct, only slower.
