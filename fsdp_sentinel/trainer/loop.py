@@ -64,16 +64,26 @@ def set_threads(cfg: TrainConfig, cluster: Cluster) -> None:
 
 def build_model(cfg: TrainConfig, cluster: Cluster) -> Any:
     import torch
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp_sentinel.trainer.model import GPT, ModelConfig
+    from fsdp_sentinel.trainer.ternary import ternarise
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = GPT(ModelConfig(cfg.layers, cfg.dim, cfg.heads, cfg.seq_len, cfg.vocab))
+    mcfg = ModelConfig(cfg.layers, cfg.dim, cfg.heads, cfg.seq_len, cfg.vocab, cfg.ternary)
+    model = GPT(mcfg)
     model.to(cluster.device)
+    if cfg.ternary:
+        # Before fully_shard: FSDP2 finds the all-gather extension on the shards.
+        ternarise(model, cfg.ternary_gather, cluster.mesh.size(-1))
+    # Gradients reduce in fp32 either way: only the all-gather (and compute) narrows.
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if cfg.param_dtype == "bf16" else None,
+        reduce_dtype=torch.float32,
+    )
     for block in model.blocks:
-        fully_shard(block, mesh=cluster.mesh)
-    fully_shard(model, mesh=cluster.mesh)
+        fully_shard(block, mesh=cluster.mesh, mp_policy=mp)
+    fully_shard(model, mesh=cluster.mesh, mp_policy=mp)
     return model
 
 
