@@ -154,13 +154,13 @@ _KEEP_SUBCLASS = {
 class TernaryWeight(torch.Tensor):
     """A latent full-precision weight whose FSDP2 all-gather sends its ternary image.
 
-    ``mode`` is ``packed`` or ``unpacked`` (see the module docstring). The
+    ``gather_mode`` is ``packed`` or ``unpacked`` (see the module docstring). The
     subclass only changes what crosses the wire; as a tensor it is the latent
     weight, so optimizer updates and gradients are full precision.
     """
 
     _data: torch.Tensor
-    mode: str
+    gather_mode: str
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, mode: str = "packed") -> TernaryWeight:
@@ -180,13 +180,13 @@ class TernaryWeight(torch.Tensor):
         if mode not in ("packed", "unpacked"):
             raise ValueError(f"TernaryWeight mode must be packed or unpacked, got {mode!r}")
         self._data = data
-        self.mode = mode
+        self.gather_mode = mode
 
-    def __repr__(self) -> str:
-        return f"TernaryWeight(mode={self.mode}, {self._data!r})"
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"TernaryWeight(mode={self.gather_mode}, {self._data!r})"
 
     def __tensor_flatten__(self) -> tuple[list[str], str]:
-        return ["_data"], self.mode
+        return ["_data"], self.gather_mode
 
     @staticmethod
     def __tensor_unflatten__(
@@ -195,10 +195,10 @@ class TernaryWeight(torch.Tensor):
         return TernaryWeight(inner["_data"], mode)
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        mode = next(a.mode for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        mode = next(a.gather_mode for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func.overloadpacket not in _KEEP_SUBCLASS:
@@ -207,14 +207,19 @@ class TernaryWeight(torch.Tensor):
 
     # ---- FSDP2 all-gather extension (signatures of torch 2.13's _fsdp_param.py)
     def fsdp_pre_all_gather(
-        self, mesh: Any, outer_size: torch.Size, outer_stride: Any, module: nn.Module, mp_policy: Any
+        self,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: Any,
+        module: nn.Module,
+        mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         """Quantise this rank's shard; return what FSDP2 all-gathers (row-major, dim 0 first)."""
         w = self._data
         s = row_scales(w)
         codes = ternary_codes(w, s)
         cols = w[0].numel() if w.shape[0] else int(outer_size.numel() // outer_size[0])
-        if self.mode == "packed":
+        if self.gather_mode == "packed":
             return (pack_codes(codes), s), (outer_size, cols)
         return (dequantise(codes, s, w.dtype),), (outer_size, cols)
 
@@ -228,7 +233,7 @@ class TernaryWeight(torch.Tensor):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """Rebuild the full ternary weight from the gathered shards (into ``out`` after the first)."""
         outer_size, cols = metadata
-        if self.mode == "packed":
+        if self.gather_mode == "packed":
             packed, scales = all_gather_outputs
             w = dequantise(unpack_codes(packed, cols), scales, param_dtype).view(outer_size)
         else:
