@@ -48,6 +48,8 @@ class TrainConfig:
     hooks: bool = True
     threads: int = 0  # 0: cores / local ranks
     log_every: int = 10
+    eval_steps: int = 0  # forward-only passes after training (all-gathers, no reduce-scatter)
+    eval_gap: float = 0.0  # idle seconds before them, so interval-based probes see them apart
     delay_rank: int | None = None
     delay_seconds: float = 0.0
     delay_start: int = 0
@@ -153,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", metavar="PATH", help="also write this rank's records here ({rank} replaced)"
     )
     o.add_argument("--no-hooks", action="store_true", help="train without instrumentation")
+    e = p.add_argument_group("evaluation (a phase with all-gathers only, for measurements)")
+    e.add_argument(
+        "--eval-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, N forward passes without gradients (FSDP2 all-gathers, "
+        "never reduce-scatters); their step records number on from --steps",
+    )
+    e.add_argument(
+        "--eval-gap",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="S",
+        help="sleep S seconds between training and evaluation",
+    )
     d = p.add_argument_group("deliberate stall (tests and captures)")
     d.add_argument("--delay-rank", type=int, metavar="R", help="the rank that stalls")
     d.add_argument(
@@ -184,6 +202,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         p.error("--delay-rank must be >= 0")
     if a.delay_rank is not None and a.delay_seconds <= 0:
         p.error("--delay-rank needs --delay-seconds > 0")
+    if a.eval_steps < 0:
+        p.error("--eval-steps must be >= 0")
     if a.ternary and a.param_dtype != "fp32":
         p.error("--ternary all-gathers its own format: leave --param-dtype fp32")
     start, stop = a.delay_steps
@@ -207,6 +227,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         hooks=not a.no_hooks,
         threads=a.threads,
         log_every=a.log_every,
+        eval_steps=a.eval_steps,
+        eval_gap=a.eval_gap,
         delay_rank=a.delay_rank,
         delay_seconds=a.delay_seconds,
         delay_start=start,

@@ -117,6 +117,7 @@ def train(cfg: TrainConfig) -> int:
 
     step_times: list[float] = []
     loss_value = float("nan")
+    eval_loss: float | None = None
     try:
         for step in range(cfg.steps):
             x, y = (t.to(cluster.device) for t in data.batch(cfg.batch))
@@ -139,6 +140,7 @@ def train(cfg: TrainConfig) -> int:
                 and (step % cfg.log_every == 0 or step == cfg.steps - 1)
             ):
                 print(f"step {step} loss {loss_value:.4f}", flush=True)
+        eval_loss = evaluate(cfg, model, data, inst, cluster.device) if cfg.eval_steps else None
     finally:
         if inst:
             inst.close()
@@ -149,10 +151,30 @@ def train(cfg: TrainConfig) -> int:
     sent, dropped, errors = (inst.sent, inst.dropped, inst.errors) if inst else (0, 0, 0)
     print(
         f"done rank={rank} steps={cfg.steps} loss={loss_value:.4f} step_s={median:.5f} "
-        f"sent={sent} dropped={dropped} hook_errors={errors}",
+        f"sent={sent} dropped={dropped} hook_errors={errors}"
+        + (f" eval_loss={eval_loss:.4f}" if eval_loss is not None else ""),
         flush=True,
     )
     return 0
+
+
+def evaluate(cfg: TrainConfig, model: Any, data: Any, inst: Any, device: Any) -> float:
+    """``cfg.eval_steps`` forward passes without gradients, after ``cfg.eval_gap`` idle
+    seconds; the mean loss. FSDP2 all-gathers for them and never reduce-scatters,
+    which lets a measurement see all-gather traffic alone."""
+    import torch
+
+    from fsdp_sentinel.trainer.model import loss_fn
+
+    time.sleep(cfg.eval_gap)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(cfg.eval_steps):
+            x, y = (t.to(device) for t in data.batch(cfg.batch))
+            with inst.step(cfg.steps + i) if inst else _PlainStep() as span:
+                span.loss = loss_fn(model(x), y).item()
+            total += span.loss
+    return total / cfg.eval_steps
 
 
 def _stall_fault(cfg: TrainConfig, host: str, rank: int) -> dict[str, Any]:
