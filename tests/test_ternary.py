@@ -114,6 +114,18 @@ def test_subclass_survives_what_fsdp_does_to_a_shard() -> None:
     assert type(tw * 2) is torch.Tensor  # arithmetic runs on the latent data
 
 
+def test_an_unsharded_ternary_weight_still_quantises_in_the_layer() -> None:
+    """Without FSDP2 no all-gather quantises the weight, so the layer must."""
+    torch.manual_seed(1)
+    plain = BitLinear(16, 8)
+    wrapped = BitLinear(16, 8)
+    wrapped.load_state_dict(plain.state_dict())
+    model = torch.nn.Sequential(wrapped)
+    assert ternarise(model, "packed", 1) == 1 and isinstance(wrapped.weight, TernaryWeight)
+    x = torch.randn(3, 16)
+    assert torch.equal(wrapped(x), plain(x))
+
+
 def test_ternarise_skips_uneven_shards_and_rejects_unknown_modes() -> None:
     model = GPT(ModelConfig(layers=1, dim=64, heads=4, seq_len=8, vocab=32, ternary=True))
     assert ternarise(model, "latent", 2) == 0
@@ -124,7 +136,12 @@ def test_ternarise_skips_uneven_shards_and_rejects_unknown_modes() -> None:
 
 @pytest.mark.parametrize(
     "flags",
-    [["--ternary", "--param-dtype", "bf16"], ["--ternary-gather", "zip"], ["--param-dtype", "x"]],
+    [
+        ["--ternary", "--param-dtype", "bf16"],
+        ["--ternary-gather", "zip"],
+        ["--param-dtype", "x"],
+        ["--eval-steps", "-1"],
+    ],
 )
 def test_bad_ternary_flags_exit_2(flags: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
@@ -167,7 +184,11 @@ def trainer_run(tmp_path: Path, name: str, world: int, *flags: str) -> dict[int,
 
 
 def losses(trace: dict[int, list[Any]]) -> dict[int, list[float]]:
-    return {r: [x["loss"] for x in recs if x["kind"] == "step"] for r, recs in trace.items()}
+    """Training losses per rank (steps after STEPS are the eval passes)."""
+    return {
+        r: [x["loss"] for x in recs if x["kind"] == "step" and x["step"] < STEPS]
+        for r, recs in trace.items()
+    }
 
 
 def gather_bytes(recs: list[Any], step: int) -> list[int]:
@@ -179,7 +200,7 @@ def gather_bytes(recs: list[Any], step: int) -> list[int]:
 def three_modes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, list[Any]]]:
     tmp = tmp_path_factory.mktemp("ternary")
     return {
-        mode: trainer_run(tmp, mode, 2, "--ternary", f"--ternary-gather={mode}")
+        mode: trainer_run(tmp, mode, 2, "--ternary", f"--ternary-gather={mode}", "--eval-steps=2")
         for mode in ("packed", "unpacked", "latent")
     }
 
@@ -244,3 +265,15 @@ def test_hooks_count_the_packed_bytes_and_reduce_scatter_is_unchanged(
 
     assert scatter(three_modes["packed"]) == scatter(three_modes["latent"])
     assert scatter(three_modes["packed"])  # and there were some
+
+
+@pytest.mark.torch
+def test_eval_passes_all_gather_and_never_reduce_scatter(
+    three_modes: dict[str, dict[int, list[Any]]],
+) -> None:
+    for recs in three_modes["packed"].values():
+        evals = [r for r in recs if r["kind"] == "step" and r["step"] >= STEPS]
+        assert [r["step"] for r in evals] == [STEPS, STEPS + 1]
+        assert all(math.isfinite(r["loss"]) for r in evals)
+        ops = {r["op"] for r in recs if r["kind"] == "coll" and r["step"] >= STEPS}
+        assert ops == {"all_gather"}
