@@ -76,10 +76,12 @@ def build_model(cfg: TrainConfig, cluster: Cluster) -> Any:
     if cfg.ternary:
         # Before fully_shard: FSDP2 finds the all-gather extension on the shards.
         ternarise(model, cfg.ternary_gather, cluster.mesh.size(-1))
-    # Gradients reduce in fp32 either way: only the all-gather (and compute) narrows.
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if cfg.param_dtype == "bf16" else None,
-        reduce_dtype=torch.float32,
+    # bf16 narrows the all-gather and compute only: gradients still reduce in
+    # fp32. fp32 keeps FSDP2's default policy (and its default code path).
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.param_dtype == "bf16"
+        else MixedPrecisionPolicy()
     )
     for block in model.blocks:
         fully_shard(block, mesh=cluster.mesh, mp_policy=mp)
