@@ -277,3 +277,17 @@ def test_eval_passes_all_gather_and_never_reduce_scatter(
         assert all(math.isfinite(r["loss"]) for r in evals)
         ops = {r["op"] for r in recs if r["kind"] == "coll" and r["step"] >= STEPS}
         assert ops == {"all_gather"}
+
+
+@pytest.mark.torch
+def test_packed_all_gather_under_hsdp_matches_latent(tmp_path: Path) -> None:
+    """HSDP (2 replicas x 2 shards): the extension gathers over the shard group only."""
+    runs = {
+        mode: losses(
+            trainer_run(tmp_path, mode, 4, "--ternary", f"--ternary-gather={mode}", "--replicate=2")
+        )  # fmt: skip
+        for mode in ("packed", "latent")
+    }
+    for rank in range(4):
+        assert len(runs["packed"][rank]) == STEPS
+        assert runs["packed"][rank] == pytest.approx(runs["latent"][rank], rel=1e-5, abs=1e-6)
