@@ -27,7 +27,7 @@ from fsdp_sentinel.trainer.launch import local_env, torchrun_argv
 WORLD = 2
 STEPS = 4
 # Odd sizes so that FSDP pads: vocab 65 and seq-len 17 are not multiples of 2.
-MODEL = dict(layers=2, dim=32, heads=2, seq_len=17, vocab=65)
+MODEL: dict[str, Any] = dict(layers=2, dim=32, heads=2, seq_len=17, vocab=65)
 
 
 def run_torchrun(argv: list[str], timeout: float = 280) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,12 @@ examples:
       --trace-out /tmp/run/rank{rank}.jsonl
   torchrun --nproc-per-node 2 -m fsdp_sentinel.trainer --steps 40 \\
       --delay-rank 1 --delay-seconds 0.2 --delay-steps 10:20
+  torchrun --nproc-per-node 2 -m fsdp_sentinel.trainer --ternary --dim 256
 """
+
+# What FSDP2 all-gathers for --ternary layers (fsdp_sentinel.trainer.ternary).
+GATHER_MODES = ("packed", "unpacked", "latent")
+PARAM_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,16 @@ class TrainConfig:
     lr: float = 3e-3
     text: str | None = None
     replicate: int = 1
+    param_dtype: str = "fp32"  # bf16: MixedPrecisionPolicy(param_dtype=bf16) all-gathers
+    ternary: bool = False  # BitLinear layers in the blocks (BitNet b1.58)
+    ternary_gather: str = "packed"  # what FSDP2 all-gathers for them (GATHER_MODES)
     socket: str | None = DEFAULT_SOCKET
     trace_out: str | None = None
     hooks: bool = True
     threads: int = 0  # 0: cores / local ranks
     log_every: int = 10
+    eval_steps: int = 0  # forward-only passes after training (all-gathers, no reduce-scatter)
+    eval_gap: float = 0.0  # idle seconds before them, so interval-based probes see them apart
     delay_rank: int | None = None
     delay_seconds: float = 0.0
     delay_start: int = 0
@@ -111,6 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="HSDP: N replica groups on a 2-D mesh (N must divide the world size)",
     )
+    t.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="fp32",
+        help="dtype FSDP2 all-gathers and computes in (bf16: MixedPrecisionPolicy; "
+        "gradients reduce in fp32)",
+    )
+    t.add_argument(
+        "--ternary",
+        action="store_true",
+        help="BitNet b1.58 layers: ternary weights, 8-bit activations, fp32 latent weights",
+    )
+    t.add_argument(
+        "--ternary-gather",
+        choices=GATHER_MODES,
+        default="packed",
+        help="with --ternary, what FSDP2 all-gathers: packed 2-bit codes + row scales "
+        "(default), unpacked ternary values, or the latent weights",
+    )
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / local ranks)")
     t.add_argument(
         "--log-every", type=int, default=10, metavar="K", help="rank 0 prints loss every K steps"
@@ -126,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", metavar="PATH", help="also write this rank's records here ({rank} replaced)"
     )
     o.add_argument("--no-hooks", action="store_true", help="train without instrumentation")
+    e = p.add_argument_group("evaluation (a phase with all-gathers only, for measurements)")
+    e.add_argument(
+        "--eval-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, N forward passes without gradients (FSDP2 all-gathers, "
+        "never reduce-scatters); their step records number on from --steps",
+    )
+    e.add_argument(
+        "--eval-gap",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="S",
+        help="sleep S seconds between training and evaluation",
+    )
     d = p.add_argument_group("deliberate stall (tests and captures)")
     d.add_argument("--delay-rank", type=int, metavar="R", help="the rank that stalls")
     d.add_argument(
@@ -157,6 +202,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         p.error("--delay-rank must be >= 0")
     if a.delay_rank is not None and a.delay_seconds <= 0:
         p.error("--delay-rank needs --delay-seconds > 0")
+    if a.eval_steps < 0:
+        p.error("--eval-steps must be >= 0")
+    if a.ternary and a.param_dtype != "fp32":
+        p.error("--ternary all-gathers its own format: leave --param-dtype fp32")
     start, stop = a.delay_steps
     return TrainConfig(
         layers=a.layers,
@@ -170,11 +219,16 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         lr=a.lr,
         text=a.text,
         replicate=a.replicate,
+        param_dtype=a.param_dtype,
+        ternary=a.ternary,
+        ternary_gather=a.ternary_gather,
         socket=None if a.socket in ("", "off") else a.socket,
         trace_out=a.trace_out,
         hooks=not a.no_hooks,
         threads=a.threads,
         log_every=a.log_every,
+        eval_steps=a.eval_steps,
+        eval_gap=a.eval_gap,
         delay_rank=a.delay_rank,
         delay_seconds=a.delay_seconds,
         delay_start=start,

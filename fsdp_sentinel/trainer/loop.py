@@ -64,16 +64,28 @@ def set_threads(cfg: TrainConfig, cluster: Cluster) -> None:
 
 def build_model(cfg: TrainConfig, cluster: Cluster) -> Any:
     import torch
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp_sentinel.trainer.model import GPT, ModelConfig
+    from fsdp_sentinel.trainer.ternary import ternarise
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = GPT(ModelConfig(cfg.layers, cfg.dim, cfg.heads, cfg.seq_len, cfg.vocab))
+    mcfg = ModelConfig(cfg.layers, cfg.dim, cfg.heads, cfg.seq_len, cfg.vocab, cfg.ternary)
+    model = GPT(mcfg)
     model.to(cluster.device)
+    if cfg.ternary:
+        # Before fully_shard: FSDP2 finds the all-gather extension on the shards.
+        ternarise(model, cfg.ternary_gather, cluster.mesh.size(-1))
+    # bf16 narrows the all-gather and compute only: gradients still reduce in
+    # fp32. fp32 keeps FSDP2's default policy (and its default code path).
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.param_dtype == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for block in model.blocks:
-        fully_shard(block, mesh=cluster.mesh)
-    fully_shard(model, mesh=cluster.mesh)
+        fully_shard(block, mesh=cluster.mesh, mp_policy=mp)
+    fully_shard(model, mesh=cluster.mesh, mp_policy=mp)
     return model
 
 
@@ -107,6 +119,7 @@ def train(cfg: TrainConfig) -> int:
 
     step_times: list[float] = []
     loss_value = float("nan")
+    eval_loss: float | None = None
     try:
         for step in range(cfg.steps):
             x, y = (t.to(cluster.device) for t in data.batch(cfg.batch))
@@ -129,6 +142,7 @@ def train(cfg: TrainConfig) -> int:
                 and (step % cfg.log_every == 0 or step == cfg.steps - 1)
             ):
                 print(f"step {step} loss {loss_value:.4f}", flush=True)
+        eval_loss = evaluate(cfg, model, data, inst, cluster.device) if cfg.eval_steps else None
     finally:
         if inst:
             inst.close()
@@ -139,10 +153,30 @@ def train(cfg: TrainConfig) -> int:
     sent, dropped, errors = (inst.sent, inst.dropped, inst.errors) if inst else (0, 0, 0)
     print(
         f"done rank={rank} steps={cfg.steps} loss={loss_value:.4f} step_s={median:.5f} "
-        f"sent={sent} dropped={dropped} hook_errors={errors}",
+        f"sent={sent} dropped={dropped} hook_errors={errors}"
+        + (f" eval_loss={eval_loss:.4f}" if eval_loss is not None else ""),
         flush=True,
     )
     return 0
+
+
+def evaluate(cfg: TrainConfig, model: Any, data: Any, inst: Any, device: Any) -> float:
+    """``cfg.eval_steps`` forward passes without gradients, after ``cfg.eval_gap`` idle
+    seconds; the mean loss. FSDP2 all-gathers for them and never reduce-scatters,
+    which lets a measurement see all-gather traffic alone."""
+    import torch
+
+    from fsdp_sentinel.trainer.model import loss_fn
+
+    time.sleep(cfg.eval_gap)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(cfg.eval_steps):
+            x, y = (t.to(device) for t in data.batch(cfg.batch))
+            with inst.step(cfg.steps + i) if inst else _PlainStep() as span:
+                span.loss = loss_fn(model(x), y).item()
+            total += span.loss
+    return total / cfg.eval_steps
 
 
 def _stall_fault(cfg: TrainConfig, host: str, rank: int) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Each :class:`Block` is one unit for ``fully_shard``; the embeddings, final norm
 and head stay with the root. The head is not tied to the embedding, so every
-parameter belongs to exactly one FSDP unit.
+parameter belongs to exactly one FSDP unit. With ``ternary`` the blocks' linear
+layers are :class:`~fsdp_sentinel.trainer.ternary.BitLinear`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_sentinel.trainer.ternary import BitLinear
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -21,14 +24,22 @@ class ModelConfig:
     heads: int
     seq_len: int
     vocab: int
+    ternary: bool = False  # BitLinear (BitNet b1.58) for every linear layer in the blocks
+
+
+def _linear(cfg: ModelConfig) -> type[nn.Linear]:
+    # BitNet keeps the embeddings and the head full precision; only the
+    # blocks' projections are ternary.
+    return BitLinear if cfg.ternary else nn.Linear
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
-        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        linear = _linear(cfg)
+        self.qkv = linear(cfg.dim, 3 * cfg.dim)
+        self.proj = linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -45,8 +56,9 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.dim)
         self.attn = Attention(cfg)
         self.norm2 = nn.LayerNorm(cfg.dim)
+        linear = _linear(cfg)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
+            linear(cfg.dim, 4 * cfg.dim), nn.GELU(), linear(4 * cfg.dim, cfg.dim)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
