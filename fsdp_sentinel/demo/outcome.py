@@ -14,6 +14,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_sentinel.cost import describe_cost
 from fsdp_sentinel.demo.scenarios import CAUSE_OF
 from fsdp_sentinel.report.model import ReportData
 
@@ -242,8 +243,12 @@ def summary_lines(
                 f"flagged   rank {v['rank']} at step {v['step']}: cause {v['cause']}, "
                 f"score {float(v['score']):.2f}"
             )
-            if v.get("evidence"):
-                lines += _labelled("evidence", _evidence(v["evidence"]))
+            ev = v.get("evidence")
+            if isinstance(ev, dict) and ev.get("cost"):
+                lines += _labelled("cost", textwrap.wrap(describe_cost(ev["cost"]), 68))
+                ev = {k: x for k, x in ev.items() if k != "cost"}
+            if ev:
+                lines += _labelled("evidence", _evidence(ev))
         elif v.get("state") == "cleared":
             lines.append(f"cleared   rank {v['rank']} at step {v['step']}")
     want = ", ".join(f"rank {e['rank']} {e['cause']}" for e in expect) or "nothing flagged"

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from html import escape
 from typing import Any
 
+from fsdp_sentinel.cost import describe_cost
 from fsdp_sentinel.report import plots
 from fsdp_sentinel.report.model import ReportData
 
@@ -192,11 +193,14 @@ def _verdict_table(data: ReportData) -> str:
             v["cause"],
             v["score"],
             v.get("peer_rank"),
+            describe_cost((v.get("evidence") or {}).get("cost")) or None,
             v.get("evidence"),
         )
         for v in data.verdicts
     ]
-    headers = ("t (s)", "step", "rank", "host", "state", "cause", "score", "peer", "evidence")
+    headers = (
+        "t (s)", "step", "rank", "host", "state", "cause", "score", "peer", "cost", "evidence",
+    )  # fmt: skip
     return _table(headers, rows, lambda i: "flagged" if rows[i][4] == "flagged" else "")
 
 
