@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fsdp_sentinel.correlate import Correlator
+from fsdp_sentinel.cost import straggler_cost
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
 from fsdp_sentinel.trace import KEY
@@ -202,6 +203,7 @@ class Pipeline:
                     state=state,
                     cause=verdict["cause"] if verdict else None,
                     score=verdict["score"] if verdict else None,
+                    cost=(verdict.get("evidence") or {}).get("cost") if verdict else None,
                     coll_count_total=dict(rs.coll_count),
                     coll_bytes_total=dict(rs.coll_bytes),
                     coll_seconds_total=dict(rs.coll_seconds),
@@ -308,6 +310,17 @@ class Pipeline:
         self._steps += 1
         return self._run(self.corr.step_summary(step, self.now))
 
+    def _price(self, verdict: Record, report: Report) -> None:
+        """Add ``evidence.cost`` (``fsdp_sentinel.cost``) to a flagged verdict."""
+        ev = verdict.get("evidence")
+        if not isinstance(ev, dict):
+            ev = verdict["evidence"] = {}
+        job = ev.get("job_step_s", report.job_step_s)
+        base = ev.get("baseline_step_s", report.baseline_step_s)
+        cost = straggler_cost(verdict["cause"], job, base, self.corr.world_size)
+        if cost is not None:
+            ev["cost"] = cost
+
     def _run(self, summary: Any) -> list[Record]:
         report = detect(summary, self.state, self.config)
         self.state = report.state
@@ -319,6 +332,7 @@ class Pipeline:
             rank = v["rank"]
             rs = self.corr.rank_of(rank)
             if v["state"] == "flagged":
+                self._price(v, report)
                 self.open[rank] = v
                 if v["cause"] == "rank_lost":
                     rs.lost = True

@@ -17,8 +17,11 @@ from typing import Any
 class RankView:
     """One rank as the pipeline sees it now.
 
-    ``state`` is ``"ok"``, ``"flagged"`` or ``"lost"``; ``cause`` and ``score``
-    are those of the rank's open verdict (None when it has none).
+    ``state`` is ``"ok"``, ``"flagged"`` or ``"lost"``; ``cause``, ``score``
+    and ``cost`` (``fsdp_sentinel.cost``: added share, seconds per step,
+    rank-hours per hour) are those of the rank's open verdict (None when it
+    has none). ``job`` is the job id the rank announced (None before cluster
+    mode's hooks send one).
     """
 
     rank: int
@@ -39,6 +42,8 @@ class RankView:
     state: str = "ok"
     cause: str | None = None
     score: float | None = None
+    cost: dict[str, Any] | None = None
+    job: str | None = None
     coll_count_total: dict[str, int] = field(default_factory=dict)
     coll_bytes_total: dict[str, int] = field(default_factory=dict)
     coll_seconds_total: dict[str, float] = field(default_factory=dict)

@@ -408,3 +408,31 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
             rec for rec in out if rec["kind"] not in ("step", "coll") or rnd.random() >= scn.drop
         ]
     return out, truth_of(scn)
+
+
+def fleet_job(ranks: int, steps: int = 20) -> list[Record]:
+    """A job of ``ranks`` ranks for views at fleet size (report, ``top``):
+    a compute straggler (rank ``ranks // 60``) from step 8 and a network one
+    (the middle rank) from step 10, both to the end, with their ``flagged``
+    verdicts written as the detector words them and never cleared (open at
+    end), so a page can be drawn without running the detector over it."""
+    compute, network = ranks // 60, ranks // 2
+    scn = Scenario(
+        ranks=ranks,
+        steps=steps,
+        n_coll=4,
+        faults=(SlowCompute(compute, 1.6, 8, steps), SlowNetwork(network, 2.5, 10, steps)),
+        name=f"fleet-{ranks}",
+    )
+    recs, _ = generate(scn)
+    first = {r: min(x["end"] for x in recs if x["kind"] == "step" and x["rank"] == r and x["step"] == s)
+             for r, s in ((compute, 9), (network, 11))}  # fmt: skip
+    verdicts = [
+        {"kind": "verdict", "t": first[compute], "step": 9, "rank": compute, "state": "flagged",
+         "cause": "compute", "score": 0.5, "host": f"synth-h{compute}", "evidence": {}},
+        {"kind": "verdict", "t": first[network], "step": 11, "rank": network, "state": "flagged",
+         "cause": "network", "score": 2.5, "host": f"synth-h{network}", "evidence": {}},
+    ]  # fmt: skip
+    from fsdp_sentinel.trace import record_time
+
+    return sorted([*recs, *verdicts], key=record_time)

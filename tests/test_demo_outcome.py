@@ -205,6 +205,8 @@ def demo_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--scenario", "slow-link", "--cpu-fraction", "0.2"], "for the compute scenarios"),
         (["--scenario", "slow-compute", "--cpu-fraction", "0"], "must be > 0"),
         (["--scenario", "slow-compute", "--cpu-fraction", "1.5"], "at most 1"),
+        (["--scenario", "all", "--cpu-fraction", "0.2"], "takes neither"),
+        (["--scenario", "all", "--steps", "5"], "slow-link: onset step 8 is not before"),
     ],
 )
 def test_bad_flags_exit_2(args: list[str], message: str) -> None:

@@ -202,3 +202,43 @@ def test_trainer_report_shows_the_real_stall(trainer_trace: Path, tmp_path: Path
     r0 = [s for s in data.steps_of(0) if DELAY_STEPS[0] <= s.step < DELAY_STEPS[1]]
     assert min(s.compute for s in r1) > 0.3
     assert sum(s.wait for s in r0) > sum(s.wait for s in r1)
+
+
+FLEET = 1024
+
+
+@pytest.fixture(scope="module")
+def fleet_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fsdp_sentinel.synth import fleet_job
+
+    path = tmp_path_factory.mktemp("fss-rb-fleet") / "fleet.jsonl.zst"
+    with TraceWriter(path) as w:
+        w.write_many(fleet_job(FLEET))
+    return path
+
+
+def test_a_thousand_rank_report_is_one_self_contained_heatmap_page(
+    fleet_trace: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "fleet.html"
+    data = write_report([fleet_trace], out)
+    html = out.read_text()
+    assert len(data.rank_ids()) == FLEET
+    # one file: nothing fetched from anywhere
+    assert not re.search(r'(src|href)="(https?:|//|file:)', html)
+    dom = chromium(out.as_uri(), "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    assert [ln for ln in dom.stderr.splitlines() if ":CONSOLE" in ln] == []
+    # the per-rank lines became a heatmap, flagged ranks named on it, open at end
+    timeline = re.search(r'<div class="plot" id="plot-timeline">(.*?)</div>', dom.stdout, re.S)
+    assert timeline and "step time per rank and step" in timeline.group(1)
+    assert "rank 17 (compute, open at end)" in timeline.group(1)
+    assert "rank 512 (network, open at end)" in timeline.group(1)
+    assert timeline.group(1).count("<path") < 400  # one image, not a line per rank
+    # the rank table shows the flagged ranks and folds the rest
+    assert f"<summary>all {FLEET} ranks</summary>" in dom.stdout
+    assert "1016 more hosts" in dom.stdout
+    shot = tmp_path / "fleet.png"
+    res = chromium(out.as_uri(), f"--screenshot={shot}", "--window-size=1200,2000")
+    assert res.returncode == 0 and shot.stat().st_size > 60_000, res.stderr[-2000:]
+    assert near(distinct_colours(shot), (214, 39, 40), tol=10)  # the network outline

@@ -251,3 +251,28 @@ def test_trace_extent_covers_every_record_and_open_spans_reach_it() -> None:
     assert (data.t0, data.t1) == (T0 + 1, T0 + 10)
     (span,) = data.spans
     assert (span.start, span.end, span.open) == (T0 + 3, T0 + 10, True)
+
+
+def test_an_open_straggler_span_ends_with_the_last_step_and_time_starts_at_the_first() -> None:
+    # Probe samples from before the job and after its end frame the trace;
+    # the page's time axis and an open compute span follow the job's steps.
+    def netdev(t: float) -> dict:
+        return {"kind": "netdev", "t": t, "dt": 1, "host": "h", "dev": "d",
+                "tx_bytes": 0, "rx_bytes": 0}  # fmt: skip
+
+    recs = [
+        netdev(T0),
+        step(0, 0, T0 + 5, T0 + 6),
+        step(0, 1, T0 + 6, T0 + 7),
+        verdict(T0 + 6.5, 0, "flagged", 1, cause="compute"),
+        netdev(T0 + 30),
+    ]
+    data = build(recs)
+    assert (data.t0, data.t1, data.origin, data.job_end()) == (T0, T0 + 30, T0 + 5, T0 + 7)
+    (span,) = data.spans
+    assert (span.start, span.end, span.open) == (T0 + 6.5, T0 + 7, True)
+    from fsdp_sentinel.report import page
+
+    html = page.render(data, ["t"])
+    assert "rank 0 (open at end)" in html
+    assert "first step (s)</text>" in html and "trace start" not in html

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdp_sentinel.demo.scenarios import DEFAULT, SCENARIOS
+from fsdp_sentinel.demo.scenarios import ALL, DEFAULT, SCENARIOS
 from fsdp_sentinel.interrupts import unwinding_on_signals
 
 HELP = "a lab cluster, the bundled trainer, a chosen fault and the daemon, end to end"
@@ -27,16 +27,24 @@ DESCRIPTION = (
     "the bundled FSDP2 model on every host, inject a fault, and show which rank\n"
     "the daemon flags and why. Needs root. Ends with a summary, the trace (with\n"
     "its .truth.json) and an HTML report under --out.\n\n"
-    "scenarios:\n" + "\n".join(f"  {s.name:15} {s.summary}" for s in SCENARIOS.values())
+    "scenarios:\n"
+    + "\n".join(f"  {s.name:15} {s.summary}" for s in SCENARIOS.values())
+    + f"\n  {ALL:15} every scenario in a row, ending with one table"
 )
 EPILOG = """examples:
   fsdp-sentinel demo                          # slow-link, 4 ranks, ~2 minutes
   fsdp-sentinel demo --scenario slow-compute --out out/slow-compute
   fsdp-sentinel demo --scenario slow-link --fault-seconds 0.3  # transient: not flagged
   fsdp-sentinel demo --scenario packet-loss --remediate dry-run
+  fsdp-sentinel demo --scenario all --strict  # every scenario; exit 3 on a miss
 
-Exit status 0 when the run worked (whatever was found), 1 when it did not.
+Exit status 0 when the run worked (whatever was found), 1 when it did not;
+with --strict, 3 when it worked but the daemon missed a fault that slowed the
+job or flagged a rank wrongly (a fault that did not slow the job is no miss).
 """
+
+#: ``--strict``'s exit status for a detector error (1 is a run that failed).
+EXIT_WRONG = 3
 
 
 def _number(kind: type, low: float, strict: bool = False) -> Callable[[str], Any]:
@@ -63,7 +71,15 @@ _seconds = _number(float, 0, strict=True)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--scenario", choices=list(SCENARIOS), default=DEFAULT, help=f"default {DEFAULT}"
+        "--scenario",
+        choices=[*SCENARIOS, ALL],
+        default=DEFAULT,
+        help=f"default {DEFAULT}; {ALL}: each in a row (outputs under --out/NAME)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help=f"exit {EXIT_WRONG} on a miss or a false alarm (for scripts and CI)",
     )
     p.add_argument("--ranks", type=_positive, default=4, help="ranks, one per lab host (default 4)")
     p.add_argument("--steps", type=_positive, help="training steps (default: the scenario's)")
@@ -131,6 +147,12 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--victim {args.victim} is not a rank of {args.ranks}"
     if args.scenario == "rank-kill" and args.victim == 0:
         return "--victim 0 cannot be killed: its host serves the job's rendezvous store"
+    if args.scenario == ALL and (args.victim == 0 or args.cpu_fraction is not None):
+        return (
+            f"--scenario {ALL} takes neither --victim 0 nor --cpu-fraction (not every scenario can)"
+        )
+    if args.scenario == ALL:
+        return None
     if args.cpu_fraction is not None and SCENARIOS[args.scenario].what != "slow_compute":
         return f"--cpu-fraction is for the compute scenarios, not {args.scenario}"
     if args.cpu_fraction is not None and args.cpu_fraction > 1:
@@ -151,15 +173,11 @@ def _usage_error(problem: str) -> None:
     print(f"{USAGE}\nfsdp-sentinel demo: error: {problem}", file=sys.stderr)
 
 
-def main(args: argparse.Namespace) -> int:
-    problem = _check(args)
-    if problem:
-        _usage_error(problem)
-        return 2
-    from fsdp_sentinel.demo.run import DemoConfig, run_demo
+def _config(args: argparse.Namespace, scenario: str, out: Path) -> Any:
+    from fsdp_sentinel.demo.run import DemoConfig
 
-    cfg = DemoConfig(
-        scenario=args.scenario,
+    return DemoConfig(
+        scenario=scenario,
         ranks=args.ranks,
         steps=args.steps,
         onset=args.onset,
@@ -168,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
         victim=args.victim,
         cpu_fraction=args.cpu_fraction,
         remediate=args.remediate,
-        out=args.out,
+        out=out,
         lab_name=args.lab_name,
         rate_mbit=args.rate_mbit,
         layers=args.layers,
@@ -179,11 +197,23 @@ def main(args: argparse.Namespace) -> int:
         report=not args.no_report,
         live=args.live,
     )
-    if cfg.onset_step() >= cfg.total_steps() and cfg.plan.what is not None:
-        _usage_error(
-            f"onset step {cfg.onset_step()} is not before the last step ({cfg.total_steps()} steps)"
-        )
+
+
+def main(args: argparse.Namespace) -> int:
+    problem = _check(args)
+    if problem:
+        _usage_error(problem)
         return 2
+    names = list(SCENARIOS) if args.scenario == ALL else [args.scenario]
+    outs = {n: args.out / n if args.scenario == ALL else args.out for n in names}
+    cfgs = [_config(args, n, outs[n]) for n in names]
+    for cfg in cfgs:
+        if cfg.onset_step() >= cfg.total_steps() and cfg.plan.what is not None:
+            _usage_error(
+                f"{cfg.scenario}: onset step {cfg.onset_step()} is not before the last step"
+                f" ({cfg.total_steps()} steps)"
+            )
+            return 2
     if os.geteuid() != 0:
         print(
             "fsdp-sentinel demo: error: needs root (it builds network namespaces, shapes "
@@ -191,6 +221,31 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    results = []
+    for cfg in cfgs:
+        result = _run_one(cfg, args)
+        if result is None or isinstance(result, int):
+            return result or 1
+        results.append(result)
+    if args.scenario == ALL:
+        from fsdp_sentinel.demo.outcome import table_lines
+
+        print()
+        for line in table_lines(
+            [(r.truth.get("scenario", "?"), r.data, r.finding) for r in results]
+        ):
+            print(line)
+    if not all(r.worked for r in results):
+        return 1
+    if args.strict and any(r.finding is not None and r.finding.wrong for r in results):
+        return EXIT_WRONG
+    return 0
+
+
+def _run_one(cfg: Any, args: argparse.Namespace) -> Any:
+    """One scenario: its result, or an exit status when it could not run at all."""
+    from fsdp_sentinel.demo.run import run_demo
+
     try:
         with unwinding_on_signals():
             result = run_demo(cfg)
@@ -208,4 +263,4 @@ def main(args: argparse.Namespace) -> int:
 
         for path in capture(result.trace, result.truth_path, args.capture, cfg.scenario):
             print(f"captured  {path}")
-    return 0 if result.worked else 1
+    return result

@@ -14,6 +14,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_sentinel.cost import describe_cost
 from fsdp_sentinel.demo.scenarios import CAUSE_OF
 from fsdp_sentinel.report.model import ReportData
 
@@ -97,6 +98,77 @@ def judge(data: ReportData, expect: list[dict[str, Any]]) -> Outcome:
     return Outcome(hits, [*(v for _, v in wrong), *j.false], [*(e for e, _ in wrong), *j.missed])
 
 
+#: A fault that stretched the job's median step by less than this share did
+#: not measurably slow it: the detector's own ``min_effect`` (checked equal in
+#: the tests), the smallest effect it promises to find.
+NO_EFFECT_BELOW = 0.10
+
+#: What a run came to, as :func:`classify` names it.
+FOUND, MISSED, NO_EFFECT, CLEAN, FALSE_ALARM = (
+    "found",
+    "missed",
+    "no effect",
+    "clean",
+    "false alarm",
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A run's result in one word, and the figures behind it.
+
+    ``status``: ``found`` (every expected rank flagged with its cause, nothing
+    else), ``missed`` (an expected rank not flagged while the fault slowed the
+    job measurably), ``no effect`` (the fault did not stretch the median step
+    by ``NO_EFFECT_BELOW``: nothing to find, so not flagging it is no miss),
+    ``clean`` (nothing injected or expected, nothing flagged), ``false alarm``
+    (a flag nobody expected, whatever else happened). ``delay``: steps from the
+    onset to the first right flag. ``before``/``during``: median step seconds.
+    """
+
+    status: str
+    delay: int | None
+    before: float | None
+    during: float | None
+    outcome: Outcome
+
+    @property
+    def slowdown(self) -> float | None:
+        if self.before and self.during:
+            return self.during / self.before
+        return None
+
+    @property
+    def wrong(self) -> bool:
+        """A detector error: what ``--strict`` turns into a non-zero exit."""
+        return self.status in (MISSED, FALSE_ALARM)
+
+
+def classify(data: ReportData, truth_doc: dict[str, Any]) -> Finding:
+    """Judge a run against its truth, telling a miss from a fault that did nothing."""
+    expect = truth_doc["stragglers"]
+    out = judge(data, expect)
+    ph = data.phases()
+    delay = None
+    if out.hits and expect and expect[0].get("onset_step") is not None:
+        delay = int(out.hits[0]["step"]) - int(expect[0]["onset_step"])
+    killed = any(f.get("what") == "rank_kill" for f in data.faults)
+    measurable = killed or (
+        ph.before is not None
+        and ph.during is not None
+        and ph.during >= ph.before * (1.0 + NO_EFFECT_BELOW)
+    )
+    if out.false_alarms:
+        status = FALSE_ALARM
+    elif out.missed:
+        status = MISSED if measurable else NO_EFFECT
+    elif out.hits:
+        status = FOUND
+    else:
+        status = CLEAN
+    return Finding(status, delay, ph.before, ph.during, out)
+
+
 def _steps(n: int) -> str:
     return f"{n} step" if n == 1 else f"{n} steps"
 
@@ -145,7 +217,8 @@ def summary_lines(
 ) -> list[str]:
     """The end-of-run summary, one string per line, under 80 columns."""
     expect = truth_doc["stragglers"]
-    out = judge(data, expect)
+    found = classify(data, truth_doc)
+    out = found.outcome
     steps = data.step_range()
     lines = [
         f"scenario  {scenario}: {data.world_size or 0} ranks, "
@@ -170,17 +243,25 @@ def summary_lines(
                 f"flagged   rank {v['rank']} at step {v['step']}: cause {v['cause']}, "
                 f"score {float(v['score']):.2f}"
             )
-            if v.get("evidence"):
-                lines += _labelled("evidence", _evidence(v["evidence"]))
+            ev = v.get("evidence")
+            if isinstance(ev, dict) and ev.get("cost"):
+                lines += _labelled("cost", textwrap.wrap(describe_cost(ev["cost"]), 68))
+                ev = {k: x for k, x in ev.items() if k != "cost"}
+            if ev:
+                lines += _labelled("evidence", _evidence(ev))
         elif v.get("state") == "cleared":
             lines.append(f"cleared   rank {v['rank']} at step {v['step']}")
     want = ", ".join(f"rank {e['rank']} {e['cause']}" for e in expect) or "nothing flagged"
+    lag = found.delay
     if out.correct and out.hits:
-        onset = expect[0]["onset_step"]
-        lag = int(out.hits[0]["step"]) - int(onset) if onset is not None else None
         verdict = f"correct: {want}" + (f", {_steps(lag)} after onset" if lag is not None else "")
     elif out.correct:
         verdict = f"correct: {want}"
+    elif found.status == NO_EFFECT:
+        verdict = (
+            f"the fault did not measurably slow the job (before {_secs(found.before)}, "
+            f"during {_secs(found.during)}): nothing to find"
+        )
     elif out.missed:
         verdict = f"MISSED: expected {want}"
     else:
@@ -188,7 +269,7 @@ def summary_lines(
     if out.false_alarms:
         alarms = ", ".join(f"rank {v['rank']} {v['cause']} @{v['step']}" for v in out.false_alarms)
         verdict += f"; false alarms: {alarms}"
-    lines.append(f"verdict   {verdict}")
+    lines += _labelled("verdict", textwrap.wrap(verdict, 68))
     ph = data.phases()
     if data.faults:
         lines.append(
@@ -203,4 +284,23 @@ def summary_lines(
         lines.append(f"report    {report}")
     for p in problems:
         lines.append(f"problem   {p}")
+    return lines
+
+
+def table_lines(rows: list[tuple[str, ReportData | None, Finding | None]]) -> list[str]:
+    """``--scenario all``'s closing table, one row a scenario, under 80 columns:
+    the fault, what came of it, the delay and the median step before/during."""
+    head = f"{'scenario':15} {'fault':15} {'result':12} {'delay':>5} {'before':>8} {'during':>8}"
+    lines = [head, "-" * len(head)]
+    for name, data, found in rows:
+        if data is None or found is None:
+            lines.append(f"{name:15} {'-':15} {'did not run':12}")
+            continue
+        fault = ",".join(str(f["what"]) for f in data.faults) or "none"
+        delay = "-" if found.delay is None else str(found.delay)
+        status = found.status.upper() if found.wrong else found.status
+        lines.append(
+            f"{name:15} {fault[:15]:15} {status:12} {delay:>5} "
+            f"{_secs(found.before):>8} {_secs(found.during):>8}"
+        )
     return lines

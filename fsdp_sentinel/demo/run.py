@@ -26,7 +26,7 @@ from typing import Any
 
 from fsdp_sentinel.demo.daemon_proc import DaemonProcess, log_tail
 from fsdp_sentinel.demo.progress import Progress
-from fsdp_sentinel.demo.scenarios import SCENARIOS, is_transient
+from fsdp_sentinel.demo.scenarios import SCENARIOS, calibration_start, is_transient
 from fsdp_sentinel.snapshot import Snapshot
 from fsdp_sentinel.truth import truth_path
 
@@ -96,6 +96,8 @@ class DemoResult:
     problems: list[str] = field(default_factory=list)
     worked: bool = False
     correct: bool = False
+    finding: Any = None  # demo.outcome.Finding, once the trace was judged
+    data: Any = None  # the trace's report.model.ReportData, once loaded
 
 
 def _stop_job(procs: list[subprocess.Popen[Any]], grace: float = 5.0) -> None:
@@ -136,7 +138,13 @@ def trainer_args(cfg: DemoConfig, socket_path: Path) -> list[str]:
 
 
 class _FaultDriver:
-    """Injects the scenario's fault at its onset and clears it after its duration."""
+    """Injects the scenario's fault at its onset and clears it after its duration.
+
+    A fault whose effect depends on the machine (the scenario has a
+    ``slowdown``) is sized at the onset from the victim host's CPU use over
+    the clean steps before it (``demo.calibrate``), unless ``--cpu-fraction``
+    fixed it; how it was sized goes into the fault record's ``params``.
+    """
 
     def __init__(self, cfg: DemoConfig, lab: Any, emitter: Any, progress: Progress) -> None:
         self.cfg = cfg
@@ -148,6 +156,11 @@ class _FaultDriver:
         if cfg.cpu_fraction is not None and self.fault is not None:
             self.fault = dataclasses.replace(self.fault, cpu_fraction=cfg.cpu_fraction)
         self.onset = cfg.onset_step()
+        self.slowdown: float | None = cfg.plan.slowdown if cfg.cpu_fraction is None else None
+        self.calibrate_from = calibration_start(self.onset) if self.slowdown else None
+        self.meter: Any = None
+        self.calibration: dict[str, Any] | None = None
+        self.measured_from = 0
         self.duration = None if cfg.fault_seconds is not None else cfg.duration()
         self.seconds = cfg.fault_seconds
         self.injected_at: float | None = None
@@ -163,11 +176,43 @@ class _FaultDriver:
         self.records.append(rec)
         self.emitter.emit(rec)
 
+    def _calibrate(self, step: int) -> None:
+        """Measure the victim's clean steps, then size the fault at the onset."""
+        from fsdp_sentinel.demo.calibrate import CpuMeter, quota_for
+
+        if self.calibrate_from is None or self.slowdown is None or self.fault is None:
+            return
+        if self.meter is None and self.calibrate_from <= step < self.onset:
+            host = self.fault.host
+            self.meter = CpuMeter(lambda: self.lab.cgroup_pids(host))
+            self.meter.start()
+            self.measured_from = step
+        elif self.meter is not None and step >= self.onset and self.calibration is None:
+            use = self.meter.stop()
+            self.calibration = {
+                "cpu_used": round(use.fraction, 4),
+                "measured_s": round(use.wall, 2),
+                "steps": f"{self.measured_from}-{step - 1}",
+                "target_slowdown": self.slowdown,
+            }
+            if use.fraction > 0 and use.wall > 0:
+                share = round(quota_for(use.fraction, self.slowdown), 4)
+                self.fault = dataclasses.replace(self.fault, cpu_fraction=share)
+            else:  # nothing measurable: the scenario's own share, and say so
+                self.calibration["fallback"] = True
+            self.progress.event(
+                f"calibrated: rank {self.fault.host} used {use.fraction:.2f} of a core; "
+                f"quota {self.fault.cpu_fraction:.3f} for ~{self.slowdown:g}x"
+            )
+
     def on_step(self, step: int) -> None:
         if self.fault is None:
             return
+        self._calibrate(step)
         if self.injected_at is None and step >= self.onset:
             rec = self.lab.inject(self.fault, step=step)
+            if self.calibration is not None:
+                rec.setdefault("params", {})["calibration"] = self.calibration
             self.injected_at = time.monotonic()
             self.active = True
             self._send(rec)
@@ -333,7 +378,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
 def _finish(cfg: DemoConfig, result: DemoResult) -> None:
     """Truth file, report and summary from the trace the daemon wrote."""
-    from fsdp_sentinel.demo.outcome import fault_steps, judge, summary_lines, truth
+    from fsdp_sentinel.demo.outcome import classify, fault_steps, summary_lines, truth
     from fsdp_sentinel.detect import DetectConfig
     from fsdp_sentinel.report import load, write_report
 
@@ -342,6 +387,7 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
         result.summary = [f"problem   {p}" for p in result.problems]
         return
     data = load([result.trace], strict=False)
+    result.data = data
     dc = DetectConfig()
     if cfg.fault_seconds is None:
         duration = cfg.duration()
@@ -365,7 +411,8 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
         write_report(
             [result.trace], result.report, title=f"fsdp-sentinel demo: {cfg.scenario}", strict=False
         )
-    result.correct = judge(data, result.truth["stragglers"]).correct
+    result.finding = classify(data, result.truth)
+    result.correct = result.finding.outcome.correct
     result.worked = not result.problems and bool(data.steps)
     result.summary = summary_lines(
         data,

@@ -33,6 +33,10 @@ class Scenario:
     ``onset``: the step during which the fault is injected; ``duration``:
     steps it lasts (None: to the end of the run); ``steps``: default run
     length. ``make(victim)`` builds the lab fault (None for a clean run).
+    ``slowdown``: for a fault whose effect depends on the machine (a CPU
+    quota), the intended stretch of the victim's step; the demo measures the
+    victim's use in the clean steps before the onset and sizes the fault to
+    give it (``demo.calibrate``). None: the fault is the same on any machine.
     """
 
     name: str
@@ -42,6 +46,7 @@ class Scenario:
     onset: int = 8
     duration: int | None = 10
     steps: int = 24
+    slowdown: float | None = None
 
     @property
     def cause(self) -> str | None:
@@ -64,14 +69,16 @@ def _noisy_neighbor(victim: int) -> Any:
 def _slow_compute(victim: int) -> Any:
     from fsdp_sentinel.lab import SlowCompute
 
+    # The share used when calibration cannot run (an onset before step 2);
+    # otherwise the demo sizes it from the victim's measured use.
     return SlowCompute(victim, cpu_fraction=0.1)
 
 
 def _mild_compute(victim: int) -> Any:
     from fsdp_sentinel.lab import SlowCompute
 
-    # 0.2 of a core: measured ~1.2x on the job here (0.4 of a core: no effect,
-    # the rank never used more).
+    # Uncalibrated fallback: 0.2 of a core was ~1.2x on a quiet machine here,
+    # and nothing at all on a busier one (the rank used less than 0.2).
     return SlowCompute(victim, cpu_fraction=0.2)
 
 
@@ -103,14 +110,19 @@ SCENARIOS: dict[str, Scenario] = {
             _noisy_neighbor,
         ),
         Scenario(
-            "slow-compute", "one host's ranks get 10% of a core", "slow_compute", _slow_compute
+            "slow-compute",
+            "one host's CPU quota sized from its use to slow it ~1.8x",
+            "slow_compute",
+            _slow_compute,
+            slowdown=1.8,
         ),
         Scenario(
             "mild-compute",
-            "one host's ranks get 20% of a core (~1.2x slower job)",
+            "one host's CPU quota sized from its use to slow it ~1.2x",
             "slow_compute",
             _mild_compute,
             duration=12,
+            slowdown=1.2,
         ),
         Scenario(
             "packet-loss",
@@ -125,6 +137,21 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 DEFAULT = "slow-link"
+
+#: ``--scenario all`` runs every scenario in this order.
+ALL = "all"
+
+#: Clean steps measured before the onset to calibrate a machine-dependent
+#: fault (the first steps, with the model's warm-up, are left out).
+CALIBRATION_STEPS = 4
+
+
+def calibration_start(onset: int) -> int | None:
+    """The step at which to start measuring the victim for a fault at ``onset``:
+    up to ``CALIBRATION_STEPS`` clean steps, never step 0 (warm-up); None when
+    the onset leaves no clean step to measure."""
+    start = max(1, onset - CALIBRATION_STEPS)
+    return start if start < onset else None
 
 
 def victim_rank(ranks: int) -> int:

@@ -12,7 +12,11 @@ Definitions (the report's legend repeats them):
   ``[issue, end]`` intervals for the step, clipped to the step's
   ``[start, end]``; *compute* is the step time minus the wait.
 - a *flagged span*: from a rank's ``flagged`` verdict to its next ``cleared``
-  verdict, or to the end of the trace when none follows.
+  verdict; when none follows it is *open at end*, and runs to the end of the
+  job's last step (a lost or hung rank's: to the end of the trace, the job
+  being stopped from then on).
+- times on the page count from the job's first step (``origin``), not from
+  the first probe record, which may come long before the job starts.
 - per-peer figures: flows mapped to ``(rank, peer_rank)``, taken from the flow
   record's own ``rank``/``peer_rank`` when present, otherwise from the ``rank``
   records (``(host, pid)`` -> rank for the local end, ``addrs`` -> rank for the
@@ -119,7 +123,23 @@ class ReportData:
         return sorted(ids)
 
     def steps_of(self, rank: int) -> list[StepRow]:
-        return [s for s in self.steps if s.rank == rank]
+        # Indexed once: a 1,000-rank report asks for every rank's steps several times.
+        index = self.__dict__.get("_steps_by_rank")
+        if index is None or index[0] is not self.steps or index[1] != len(self.steps):
+            by_rank: dict[int, list[StepRow]] = defaultdict(list)
+            for s in self.steps:
+                by_rank[s.rank].append(s)
+            index = self.__dict__["_steps_by_rank"] = (self.steps, len(self.steps), by_rank)
+        return list(index[2].get(rank, ()))
+
+    @property
+    def origin(self) -> float:
+        """Where the page's time axis starts: the job's first step, else the trace's start."""
+        return min(s.start for s in self.steps) if self.steps else self.t0
+
+    def job_end(self) -> float:
+        """The end of the job's last step, else the trace's end."""
+        return max(s.end for s in self.steps) if self.steps else self.t1
 
     def step_range(self) -> tuple[int, int] | None:
         if not self.steps:
@@ -200,7 +220,10 @@ def _ip(endpoint: str) -> str:
     return host.strip("[]")
 
 
-def _spans(verdicts: list[Record], t_end: float) -> list[Span]:
+def _spans(verdicts: list[Record], last_step_end: float, trace_end: float) -> list[Span]:
+    """Flagged spans; one never cleared is open at end: a straggler's span ends
+    with the job's last step (the probes' samples after it say nothing of the
+    straggler), a lost or hung rank's with the trace (the job stays stopped)."""
     open_: dict[int, Record] = {}
     out: list[Span] = []
     for v in verdicts:
@@ -212,6 +235,7 @@ def _spans(verdicts: list[Record], t_end: float) -> list[Span]:
             f = open_.pop(rank)
             out.append(Span(rank, str(f["cause"]), float(f["t"]), float(v["t"]), int(f["step"])))
     for rank, f in open_.items():
+        t_end = trace_end if f["cause"] in ("rank_lost", "hang") else last_step_end
         out.append(
             Span(
                 rank,
@@ -346,6 +370,6 @@ def build(records: Iterable[Record]) -> ReportData:
     data.faults = merge_faults(data.faults)
     for kind in ("verdicts", "actions", "faults"):
         getattr(data, kind).sort(key=lambda r: float(r["t"]))
-    data.spans = _spans(data.verdicts, data.t1)
+    data.spans = _spans(data.verdicts, data.job_end(), data.t1)
     data.peers, data.flows_unmapped = _peer_series(flows, _FlowMapper(data.ranks))
     return data

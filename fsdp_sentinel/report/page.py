@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from html import escape
 from typing import Any
 
+from fsdp_sentinel.cost import describe_cost
 from fsdp_sentinel.report import plots
 from fsdp_sentinel.report.model import ReportData
 
@@ -77,7 +78,8 @@ def _plot(svg: str | None, ident: str, missing: str) -> str:
 
 
 def _rel(data: ReportData, t: Any) -> float | None:
-    return None if t is None else float(t) - data.t0
+    """Seconds since the job's first step (the plots' time axis)."""
+    return None if t is None else float(t) - data.origin
 
 
 def _scenario(data: ReportData) -> str:
@@ -102,6 +104,19 @@ def _findings(data: ReportData) -> str:
     )
 
 
+#: Host names listed in the summary before the rest are counted.
+SUMMARY_HOSTS = 8
+#: Above this many ranks the rank table is folded (flagged ranks first, shown).
+FOLD_RANKS = 32
+
+
+def _some(names: list[str]) -> str:
+    """The first few names, then how many more."""
+    if len(names) <= SUMMARY_HOSTS:
+        return ", ".join(names)
+    return ", ".join(names[:SUMMARY_HOSTS]) + f", \u2026 {len(names) - SUMMARY_HOSTS} more hosts"
+
+
 def summary(data: ReportData, paths: Sequence[str], title: str | None) -> str:
     steps = data.step_range()
     hosts = sorted({r.host for r in data.ranks.values() if r.host})
@@ -110,12 +125,15 @@ def summary(data: ReportData, paths: Sequence[str], title: str | None) -> str:
         ("trace", ", ".join(paths)),
         ("faults", _scenario(data)),
         ("found", _findings(data)),
-        ("ranks", f"{data.world_size or 0} ({', '.join(hosts) or 'no rank records'})"),
+        ("ranks", f"{data.world_size or 0} ({_some(hosts) or 'no rank records'})"),
         (
             "steps",
             f"{steps[0]}\u2013{steps[1]} ({len(data.steps)} step records)" if steps else "none",
         ),
-        ("duration", f"{data.t1 - data.t0:.1f} s"),
+        (
+            "duration",
+            f"{data.job_end() - data.origin:.1f} s of steps, trace {data.t1 - data.t0:.1f} s",
+        ),
         (
             "step time (median)",
             f"before {_fmt(phases.before)} s, during {_fmt(phases.during)} s, "
@@ -134,18 +152,16 @@ def summary(data: ReportData, paths: Sequence[str], title: str | None) -> str:
 def _rank_table(data: ReportData) -> str:
     flagged = {s.rank for s in data.spans}
     ranks = data.rank_ids()
+    by_rank: dict[int, list[Any]] = {}
+    for (a, _), pts in data.peers.items():  # one pass, not one per rank
+        by_rank.setdefault(a, []).append(pts)
     rows = []
     for r in ranks:
         info = data.ranks.get(r)
         st = data.steps_of(r)
-        sent = sum(
-            sum(p.tx_rate for p in pts) / max(1, len(pts))
-            for (a, _), pts in data.peers.items()
-            if a == r
-        )
-        srtts = [
-            p.srtt_us for (a, _), pts in data.peers.items() if a == r for p in pts if p.srtt_us
-        ]
+        mine = by_rank.get(r, [])
+        sent = sum(sum(p.tx_rate for p in pts) / max(1, len(pts)) for pts in mine)
+        srtts = [p.srtt_us for pts in mine for p in pts if p.srtt_us]
         rows.append(
             (
                 r,
@@ -174,7 +190,13 @@ def _rank_table(data: ReportData) -> str:
         "median srtt (ms)",
         "state",
     )
-    return _table(headers, rows, lambda i: "flagged" if rows[i][-1] == "flagged" else "")
+    if len(rows) <= FOLD_RANKS:
+        return _table(headers, rows, lambda i: "flagged" if rows[i][-1] == "flagged" else "")
+    # A fleet: the flagged ranks in view, every rank one click away.
+    bad = [row for row in rows if row[-1] == "flagged"]
+    shown = _table(headers, bad, lambda i: "flagged") if bad else _note("No rank flagged.")
+    every = _table(headers, rows, lambda i: "flagged" if rows[i][-1] == "flagged" else "")
+    return f"{shown}<details><summary>all {len(rows)} ranks</summary>{every}</details>"
 
 
 def _verdict_table(data: ReportData) -> str:
@@ -192,11 +214,14 @@ def _verdict_table(data: ReportData) -> str:
             v["cause"],
             v["score"],
             v.get("peer_rank"),
+            describe_cost((v.get("evidence") or {}).get("cost")) or None,
             v.get("evidence"),
         )
         for v in data.verdicts
     ]
-    headers = ("t (s)", "step", "rank", "host", "state", "cause", "score", "peer", "evidence")
+    headers = (
+        "t (s)", "step", "rank", "host", "state", "cause", "score", "peer", "cost", "evidence",
+    )  # fmt: skip
     return _table(headers, rows, lambda i: "flagged" if rows[i][4] == "flagged" else "")
 
 
