@@ -111,6 +111,41 @@ class RankLiveness(NamedTuple):
     reset_peers: int
 
 
+class Pending(NamedTuple):
+    """A collective a rank still reports in flight (its newest ``pending`` record).
+
+    ``t`` is when that record was made, ``issue`` when the collective was
+    issued (both on the rank's clock); ``newest_seq`` in :class:`Stall` says
+    how far each rank got.
+    """
+
+    rank: int
+    seq: int
+    step: int
+    op: str
+    issue: float
+    t: float
+
+
+class Stall(NamedTuple):
+    """What the liveness rules (hang, silent loss) read, at time ``t``.
+
+    ``pending``: the live pending collectives, one per rank at most (its
+    oldest still in flight; a rank whose pending records stopped, or whose
+    collective completed, has none). ``newest_seq``: per rank, the newest
+    ``seq`` it was seen to issue (a ``coll`` or ``pending`` record; -1 when
+    none). ``hosts_heard``: per host, when its own probe records (``netdev``,
+    ``flow``) last arrived, and their interval (``dt``).
+    """
+
+    pending: tuple[Pending, ...] = ()
+    newest_seq: tuple[tuple[int, int], ...] = ()
+    hosts_heard: tuple[tuple[str, float, float], ...] = ()
+
+
+_NO_STALL = Stall()
+
+
 class Summary(NamedTuple):
     """What the detector sees at time ``t``.
 
@@ -128,6 +163,7 @@ class Summary(NamedTuple):
     liveness: tuple[RankLiveness, ...]
     job_done: int
     mid_step: bool
+    stall: Stall = _NO_STALL
 
 
 class _Rank:
@@ -153,6 +189,8 @@ class _Rank:
         "coll_seconds",
         "_op_plan",
         "bad_fields",
+        "pending",
+        "seq_done",
     )
 
     def __init__(self, rank: int) -> None:
@@ -176,6 +214,8 @@ class _Rank:
         self.coll_seconds: dict[str, float] = {}
         self._op_plan: _OpPlan | None = None
         self.bad_fields = 0  # op or bytes fields of coll records that could not be added up
+        self.pending: dict[int, Pending] = {}  # seq -> its newest pending record
+        self.seq_done = -1  # newest seq of its summarised coll records
 
     def add_ops(self, cols: _Columns) -> None:
         """Add one summarised step's collectives to the per-op totals."""
@@ -334,6 +374,16 @@ def _columns(colls: list[Record]) -> _Columns:
     return _Columns(keys, issues, ends, waits, reduce(add, waits, 0.0), ops, nbytes)
 
 
+def _top_seq(keys: Sequence[Any]) -> int:
+    """The newest ``seq`` among a step's collective keys (``seq`` or ``(group, seq)``)."""
+    try:
+        if type(keys[0]) is tuple:
+            return int(max(k[1] for k in keys))
+        return int(max(keys))
+    except (TypeError, ValueError, IndexError):
+        return -1  # an ill-typed seq: counted elsewhere, says nothing here
+
+
 def _coll_ok(rec: Record) -> bool:
     try:
         _columns([rec])
@@ -382,6 +432,9 @@ class Correlator:
         self.late_records = 0
         self.malformed = 0  # coll records dropped at summary time for a bad field
         self.unattributed_flows = 0
+        # host -> [when its own probe records last arrived, their interval]
+        self.hosts_heard: dict[str, list[float]] = {}
+        self._pending_ranks: set[int] = set()  # ranks with pending records filed
 
     # ------------------------------------------------------------ per record
 
@@ -517,7 +570,39 @@ class Correlator:
         self._peers.setdefault(hit[1], set()).add(hit[0])
         return hit
 
+    def add_pending(self, rec: Record) -> None:
+        """File a ``pending`` record: the rank's collective ``seq`` is still in flight.
+
+        It does not count as the rank being heard from (``last_t``): a rank
+        blocked in a collective is not carrying on, so the others' pending
+        records must not make a quiet rank look left behind.
+        """
+        rank = _as_index("rank", rec["rank"])
+        seq = _as_index("seq", rec["seq"])
+        p = Pending(
+            rank, seq, _as_index("step", rec["step"]), str(rec["op"]),
+            float(rec["issue"]), float(rec["t"]),
+        )  # fmt: skip
+        rs = self.rank_of(rank)
+        old = rs.pending.get(seq)
+        if old is None or p.t >= old.t:
+            rs.pending[seq] = p
+        self._pending_ranks.add(rank)
+
+    def heard_host(self, host: str, t: float, dt: float) -> None:
+        """A host's own probe record (``netdev``, ``flow``) arrived at ``t``."""
+        h = self.hosts_heard.get(host)
+        if h is None:
+            self.hosts_heard[host] = [t, dt]
+        elif t > h[0]:
+            h[0] = t
+            h[1] = dt
+
+    def add_netdev(self, rec: Record) -> None:
+        self.heard_host(str(rec["host"]), float(rec["t"]), float(rec["dt"]))
+
     def add_flow(self, rec: Record) -> None:
+        self.heard_host(str(rec["host"]), float(rec["t"]), float(rec["dt"]))
         hit = self._attribute(rec)
         if hit is None:
             self.unattributed_flows += 1
@@ -680,6 +765,9 @@ class Correlator:
                                 last += 1
                 wait = _blocked(cols)
                 rs.add_ops(cols)
+                top = _top_seq(cols.keys)
+                if top > rs.seq_done:
+                    rs.seq_done = top
             step_s: float | None = None
             compute: float | None = None
             if srec is not None:
@@ -725,7 +813,42 @@ class Correlator:
             return _columns(good) if good else None
 
     def tick_summary(self, now: float) -> Summary:
-        return self._summary(now, None, ())
+        summary = self._summary(now, None, ())
+        if self._pending_ranks or self.hosts_heard:
+            summary = summary._replace(stall=self.stall())
+        return summary
+
+    def newest_seq(self, rs: _Rank) -> int:
+        """The newest ``seq`` ``rs`` completed: summarised or still filed."""
+        top = rs.seq_done
+        for lst in rs.colls.values():
+            for c in lst:
+                seq = c.get("seq")
+                if type(seq) is int and seq > top:
+                    top = seq
+        return top
+
+    def stall(self, keep_s: float = 30.0) -> Stall:
+        """The liveness rules' view (:class:`Stall`); forgets pending records
+        of completed collectives and those older than ``keep_s`` seconds."""
+        pending: list[Pending] = []
+        newest: list[tuple[int, int]] = []
+        for rank in sorted(self.ranks):
+            rs = self.ranks[rank]
+            done = self.newest_seq(rs)
+            top = done
+            if rs.pending:
+                latest = max(p.t for p in rs.pending.values())
+                for seq in [q for q, p in rs.pending.items() if q <= done or p.t < latest - keep_s]:
+                    del rs.pending[seq]
+                if rs.pending:
+                    pending.append(rs.pending[min(rs.pending)])
+                    top = max(top, max(rs.pending))
+                else:
+                    self._pending_ranks.discard(rank)
+            newest.append((rank, top))
+        heard = tuple((h, v[0], v[1]) for h, v in sorted(self.hosts_heard.items()))
+        return Stall(tuple(pending), tuple(newest), heard)
 
     # ------------------------------------------------------------ views
 

@@ -74,8 +74,10 @@ class Pipeline:
             "rank": self._on_rank,
             "step": self._on_step,
             "flow": self._on_flow,
-            "netdev": self._on_clock,
+            "netdev": self._on_netdev,
             "conn": self._on_conn,
+            "pending": self._on_pending,
+            "clock": self._on_clock,
         }
 
     # ------------------------------------------------------------ public
@@ -247,6 +249,14 @@ class Pipeline:
         return []
 
     def _on_clock(self, rec: Record) -> list[Record]:
+        return self._clock_to(rec["t"])
+
+    def _on_netdev(self, rec: Record) -> list[Record]:
+        self.corr.add_netdev(rec)
+        return self._clock_to(rec["t"])
+
+    def _on_pending(self, rec: Record) -> list[Record]:
+        self.corr.add_pending(rec)
         return self._clock_to(rec["t"])
 
     def _on_flow(self, rec: Record) -> list[Record]:

@@ -177,6 +177,10 @@ def running(paths) -> Iterator[Callable[..., Running]]:
             interval=kw.pop("interval", 0.05),
             pid_check_interval=kw.pop("pid_check_interval", 5.0),
         )
+        # The synthetic jobs' records carry times of 2023: the daemon's real
+        # wall-clock heartbeat would move their stream clock years on. Tests
+        # of the heartbeat pass a wall clock of their own.
+        kw.setdefault("wall_clock", None)
         d = Daemon(cfg, pipeline=kw.pop("pipeline", LateRankPipeline()), **kw)
         d.start()
         r = Running(d)

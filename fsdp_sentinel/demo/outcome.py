@@ -57,6 +57,7 @@ def truth(
                 "onset_step": onset,
                 "end_step": end,
                 "what": f["what"],
+                "onset_t": f["t"],
             }
         )
     return {

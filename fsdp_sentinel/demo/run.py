@@ -148,8 +148,8 @@ class _FaultDriver:
         if cfg.cpu_fraction is not None and self.fault is not None:
             self.fault = dataclasses.replace(self.fault, cpu_fraction=cfg.cpu_fraction)
         self.onset = cfg.onset_step()
-        self.duration = None if cfg.fault_seconds is not None else cfg.duration()
-        self.seconds = cfg.fault_seconds
+        self.seconds = cfg.fault_seconds if cfg.fault_seconds is not None else cfg.plan.seconds
+        self.duration = None if self.seconds is not None else cfg.duration()
         self.injected_at: float | None = None
         self.active = False
         self.records: list[dict[str, Any]] = []
@@ -334,6 +334,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 def _finish(cfg: DemoConfig, result: DemoResult) -> None:
     """Truth file, report and summary from the trace the daemon wrote."""
     from fsdp_sentinel.demo.outcome import fault_steps, judge, summary_lines, truth
+    from fsdp_sentinel.demo.scenarios import STALL_CAUSES
     from fsdp_sentinel.detect import DetectConfig
     from fsdp_sentinel.report import load, write_report
 
@@ -343,13 +344,17 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
         return
     data = load([result.trace], strict=False)
     dc = DetectConfig()
-    if cfg.fault_seconds is None:
+    if cfg.fault_seconds is None and cfg.plan.seconds is None:
         duration = cfg.duration()
     else:  # a timed fault: the steps it really covered, from the trace
         spans = [fault_steps(data, f) for f in data.faults]
         ends = [(on, end) for on, end in spans if on is not None and end is not None]
         duration = max((end - on + 1 for on, end in ends), default=None)
-    transient = cfg.plan.what is not None and is_transient(duration, dc.window, dc.flag_after)
+    transient = (
+        cfg.plan.what is not None
+        and cfg.plan.cause not in STALL_CAUSES
+        and is_transient(duration, dc.window, dc.flag_after)
+    )
     result.truth = truth(
         data,
         scenario=cfg.scenario,

@@ -23,7 +23,13 @@ CAUSE_OF = {
     "slow_compute": "compute",
     "compute_stall": "compute",
     "rank_kill": "rank_lost",
+    "rank_hang": "hang",
+    "silent_node": "rank_lost",
 }
+
+#: Causes judged on the clock, not by persistence over steps: a fault of
+#: theirs is never too short to be flagged (it stops the job while it lasts).
+STALL_CAUSES = frozenset({"hang", "rank_lost"})
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,10 @@ class Scenario:
     """One demo scenario.
 
     ``onset``: the step during which the fault is injected; ``duration``:
-    steps it lasts (None: to the end of the run); ``steps``: default run
-    length. ``make(victim)`` builds the lab fault (None for a clean run).
+    steps it lasts (None: to the end of the run); ``seconds``: instead, the
+    seconds it lasts (a fault that stops the job makes no steps to count);
+    ``steps``: default run length. ``make(victim)`` builds the lab fault
+    (None for a clean run).
     """
 
     name: str
@@ -42,6 +50,7 @@ class Scenario:
     onset: int = 8
     duration: int | None = 10
     steps: int = 24
+    seconds: float | None = None
 
     @property
     def cause(self) -> str | None:
@@ -79,6 +88,18 @@ def _packet_loss(victim: int) -> Any:
     from fsdp_sentinel.lab import PacketLoss
 
     return PacketLoss(victim, p=0.1)
+
+
+def _rank_hang(victim: int) -> Any:
+    from fsdp_sentinel.lab import HangRank
+
+    return HangRank(victim)
+
+
+def _silent_node(victim: int) -> Any:
+    from fsdp_sentinel.lab import SilentNode
+
+    return SilentNode(victim)
 
 
 def _rank_kill(victim: int) -> Any:
@@ -120,6 +141,24 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "rank-kill", "one rank is killed (SIGKILL)", "rank_kill", _rank_kill, duration=None
+        ),
+        Scenario(
+            "hang",
+            "one rank hangs (SIGSTOP, its sockets open) for 6 s, then goes on",
+            "rank_hang",
+            _rank_hang,
+            duration=None,
+            seconds=6.0,
+            steps=16,
+        ),
+        Scenario(
+            "silent-node",
+            "one host is cut off (its switch port down, no reset) for 5 s",
+            "silent_node",
+            _silent_node,
+            duration=None,
+            seconds=5.0,
+            steps=16,
         ),
     )
 }
@@ -165,4 +204,6 @@ QUICK_RUNS: dict[str, list[str]] = {
         "--scenario", "packet-loss", "--steps", "15", "--onset", "6", "--fault-steps", "6",
     ],
     "rank-kill": ["--scenario", "rank-kill", "--steps", "10", "--onset", "6"],
+    "hang": ["--scenario", "hang", "--steps", "12", "--onset", "6"],
+    "silent-node": ["--scenario", "silent-node", "--steps", "12", "--onset", "6"],
 }  # fmt: skip

@@ -4,7 +4,8 @@ Callers decide onset and end (a step or a time) and call ``Lab.inject(fault)``
 / ``Lab.clear(fault)``, which return the trace-v1 ``fault`` records, so a
 trace carries its own ground truth. ``what`` names (stable, used by
 detection's truth files): ``slow_link``, ``noisy_neighbor``, ``slow_compute``,
-``packet_loss``, ``rank_kill``.
+``packet_loss``, ``rank_kill``, ``rank_hang`` (SIGSTOP), ``silent_node``
+(the switch's end of the host's link down).
 
 Stacking: a host's link may carry a rate (tbf) and packet loss (clsact, on
 the switch's port; one packet-loss fault per host at a time) at once; a
@@ -266,3 +267,67 @@ class KillRank:
 
     def undo(self, lab: Lab, state: Any) -> None:
         """Nothing to undo: a killed rank stays dead (the record just gets its ``end``)."""
+
+
+# ---------------------------------------------------------------- hangs and silent loss
+
+
+@dataclass(eq=False)
+class HangRank:
+    """SIGSTOP the host's rank process(es), SIGCONT on clear: a hung rank.
+
+    Like a deadlocked rank or a hung GPU, the process stops sending and
+    receiving but its sockets stay open (the kernel keeps them, with no FIN
+    or RST), so the other ranks block in their next collective until gloo's
+    timeout. Its hooks' sender thread stops too, so it sends no ``pending``
+    record: that is what tells it from the ranks waiting for it.
+    """
+
+    host: HostArg
+    what: ClassVar[str] = "rank_hang"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        victims = rank_pids(lab.cgroup_pids(self.host))
+        if not victims:
+            raise LabError(
+                f"no rank process (RANK in its environment) in {lab.host(self.host).cgroup}"
+            )
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return {"pids": victims, "signal": "SIGSTOP"}, victims
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        # A stopped process left so would hang its job (and its cleanup) for good.
+        for pid in state:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+@dataclass(eq=False)
+class SilentNode:
+    """The host is cut off: the switch's end of its link set down, up on clear.
+
+    As a node that loses power or its cable: nothing it sends arrives and
+    nothing reaches it, and neither side sees a FIN or RST (the host's own
+    end stays configured; TCP just retransmits into the void). No reset is
+    sent and the link's qdiscs are left as they are.
+    """
+
+    host: HostArg
+    what: ClassVar[str] = "silent_node"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        h = lab.host(self.host)
+        _set_link(lab, lab.switch_netns, h.switch_ifname, "down")
+        return {"netns": lab.switch_netns, "dev": h.switch_ifname}, h.switch_ifname
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        _set_link(lab, lab.switch_netns, state, "up")
+
+
+def _set_link(lab: Lab, netns: str, ifname: str, state: str) -> None:
+    from fsdp_sentinel.lab import netlink
+
+    with lab.netlink_handle(netns) as ipr:
+        ipr.link("set", index=netlink.index_of(ipr, ifname), state=state)
