@@ -349,7 +349,9 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
         spans = [fault_steps(data, f) for f in data.faults]
         ends = [(on, end) for on, end in spans if on is not None and end is not None]
         duration = max((end - on + 1 for on, end in ends), default=None)
-    transient = cfg.plan.what is not None and is_transient(duration, dc.window, dc.flag_after)
+    transient = cfg.plan.what is not None and is_transient(
+        duration, dc.persistence.window, dc.persistence.flag_after
+    )
     result.truth = truth(
         data,
         scenario=cfg.scenario,
