@@ -672,8 +672,13 @@ class Correlator:
                 torn[b] = t
             self._peers.setdefault(a, set()).add(b)
 
+    def mark_lost(self, rank: int) -> None:
+        """The detector declared ``rank`` lost: no step waits for it from now on."""
+        self.rank_of(rank).lost = True
+
     def revive(self, rank: int) -> None:
-        """Forget torn connections of a rank that is heard from again."""
+        """A lost rank is heard from again: steps wait for it, its torn connections are forgotten."""
+        self.rank_of(rank).lost = False
         self._torn.pop(rank, None)
         self._self_closed.pop(rank, None)
         self._reset_by.pop(rank, None)

@@ -53,7 +53,7 @@ class Pipeline:
     def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
         self.config = config or DetectConfig()
         self.finalize_lag = finalize_lag
-        self.corr = Correlator(flow_window_s=self.config.flow_window_s)
+        self.corr = Correlator(flow_window_s=self.config.network.flow_window_s)
         self.state = DetectState()
         self.now = 0.0
         self.last_report: Report | None = None
@@ -124,7 +124,7 @@ class Pipeline:
     def set_config(self, config: DetectConfig) -> None:
         """Use new thresholds from the next summary on (history is kept)."""
         self.config = config
-        self.corr.flow_window_s = config.flow_window_s
+        self.corr.flow_window_s = config.network.flow_window_s
 
     @property
     def records_total(self) -> dict[str, int]:
@@ -227,7 +227,7 @@ class Pipeline:
         if self.now < self._next_tick:
             return []
         first = self._next_tick == -math.inf
-        self._next_tick = self.now + self.config.tick_s
+        self._next_tick = self.now + self.config.lost.tick_s
         if first:
             return []
         self._ticks += 1
@@ -324,21 +324,19 @@ class Pipeline:
         self.last_report = report
         if not report.verdicts:
             return []
-        out = list(report.verdicts)
+        out = [v.record() for v in report.verdicts]
         for v in out:
             rank = v["rank"]
-            rs = self.corr.rank_of(rank)
             if v["state"] == "flagged":
                 self.open[rank] = v
                 if v["cause"] == "rank_lost":
-                    rs.lost = True
+                    self.corr.mark_lost(rank)
                     self._lost_epoch += 1
             else:
                 self.open.pop(rank, None)
                 if v["cause"] == "rank_lost":
-                    rs.lost = False
-                    self._lost_epoch += 1
                     self.corr.revive(rank)
+                    self._lost_epoch += 1
             self._verdicts += 1
             if v["state"] == "flagged":
                 self.verdicts_total[v["cause"]] = self.verdicts_total.get(v["cause"], 0) + 1

@@ -112,6 +112,45 @@ def header() -> Record:
     return {"kind": "header", "format": FORMAT, "version": VERSION}
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One detection verdict, typed until :meth:`record` writes it as a ``verdict`` record.
+
+    ``score`` is the rule's own figure (relative score, srtt ratio, silence in
+    seconds); ``peer_rank`` the other end a network verdict names;
+    ``evidence`` what the rule saw (docs/detection.md lists each rule's keys).
+    The detector builds these; the trace layer alone decides their wire form.
+    """
+
+    t: float
+    step: int
+    rank: int
+    state: str  # "flagged" | "cleared"
+    cause: str  # "compute" | "network" | "rank_lost" | "hang"
+    score: float
+    host: str = ""
+    peer_rank: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> Record:
+        """The trace-v1 ``verdict`` record (times to the microsecond, scores to 4 places)."""
+        rec: Record = {
+            "kind": "verdict",
+            "t": round(self.t, 6),
+            "step": self.step,
+            "rank": self.rank,
+            "state": self.state,
+            "cause": self.cause,
+            "score": round(self.score, 4),
+        }
+        if self.host:
+            rec["host"] = self.host
+        if self.peer_rank is not None:
+            rec["peer_rank"] = self.peer_rank
+        rec["evidence"] = self.evidence
+        return rec
+
+
 def missing_fields(rec: Record) -> list[str]:
     """Required fields absent from ``rec`` (empty for unknown kinds)."""
     need = REQUIRED.get(rec.get("kind", ""), ())

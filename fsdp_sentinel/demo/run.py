@@ -353,7 +353,7 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
     transient = (
         cfg.plan.what is not None
         and cfg.plan.cause not in STALL_CAUSES
-        and is_transient(duration, dc.window, dc.flag_after)
+        and is_transient(duration, dc.persistence.window, dc.persistence.flag_after)
     )
     result.truth = truth(
         data,
