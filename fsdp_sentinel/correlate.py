@@ -135,12 +135,15 @@ class Stall(NamedTuple):
     collective completed, has none). ``newest_seq``: per rank, the newest
     ``seq`` it was seen to issue (a ``coll`` or ``pending`` record; -1 when
     none). ``hosts_heard``: per host, when its own probe records (``netdev``,
-    ``flow``) last arrived, and their interval (``dt``).
+    ``flow``) last arrived, and their interval (``dt``). ``retrans``: per
+    directed pair ``(rank, peer, n)``, retransmits in flow samples since the
+    oldest pending collective was issued (TCP resending into a dead link).
     """
 
     pending: tuple[Pending, ...] = ()
     newest_seq: tuple[tuple[int, int], ...] = ()
     hosts_heard: tuple[tuple[str, float, float], ...] = ()
+    retrans: tuple[tuple[int, int, int], ...] = ()
 
 
 _NO_STALL = Stall()
@@ -853,7 +856,14 @@ class Correlator:
                     self._pending_ranks.discard(rank)
             newest.append((rank, top))
         heard = tuple((h, v[0], v[1]) for h, v in sorted(self.hosts_heard.items()))
-        return Stall(tuple(pending), tuple(newest), heard)
+        retrans: list[tuple[int, int, int]] = []
+        if pending:
+            since = min(p.issue for p in pending)
+            for key in sorted(self.pairs):
+                n = sum(x[5] for x in self.pairs[key].samples if x[0] >= since)
+                if n:
+                    retrans.append((key[0], key[1], n))
+        return Stall(tuple(pending), tuple(newest), heard, tuple(retrans))
 
     # ------------------------------------------------------------ views
 

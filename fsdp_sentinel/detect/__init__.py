@@ -32,6 +32,7 @@ from fsdp_sentinel.detect.config import (
     NetworkConfig,
     NoiseConfig,
     PersistenceConfig,
+    StallConfig,
 )
 from fsdp_sentinel.detect.detector import detect
 from fsdp_sentinel.detect.state import CAUSES, DetectState, RankScore, RankTrack, Report
@@ -44,6 +45,7 @@ __all__ = [
     "DetectConfig",
     "DetectState",
     "LostConfig",
+    "StallConfig",
     "NetworkConfig",
     "NoiseConfig",
     "PersistenceConfig",

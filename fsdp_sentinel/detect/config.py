@@ -124,6 +124,39 @@ class LostConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class StallConfig(_Checked):
+    """``hang`` and silent loss: a collective the ranks wait on and never finish."""
+
+    hang_after_s: float = 2.0
+    """A collective still pending this long (from its issue) is a stall, if it
+    is also ``hang_after_steps`` steps long. Pending records come at 1 s and
+    2 s of a collective's life, so one is named at about 2 s: within the 3 s
+    budget even when the waiting ranks issue it a little after the culprit
+    stopped, while a one-off wait of under 2 s (a long GC pause, a slow
+    rank's first slow step) is no hang."""
+
+    hang_after_steps: float = 3.0
+    """The same in the job's recent step time (the larger counts): a slow job
+    whose collectives take long, but complete, never stalls."""
+
+    pending_stale_s: float = 2.5
+    """A rank's pending record older than this no longer says it is waiting
+    (they come every second while it is)."""
+
+    host_silence_s: float = 2.0
+    """A host whose own probe records stopped this long (and at least
+    ``host_silence_intervals`` of their interval) while another host's go on is
+    silent."""
+
+    host_silence_intervals: float = 2.0
+    """The same silence, in the host's own probe interval."""
+
+    unreachable_retrans: int = 2
+    """Retransmits since a stall began, all on flows touching one rank, that
+    say the rank (its host) is cut off when every rank is waiting."""
+
+
+@dataclass(frozen=True)
 class PersistenceConfig(_Checked):
     """A change counts only when it lasts: a one-step spike never does."""
 
@@ -149,6 +182,7 @@ _GROUPS: dict[str, type] = {
     "compute": ComputeConfig,
     "network": NetworkConfig,
     "lost": LostConfig,
+    "stall": StallConfig,
     "persistence": PersistenceConfig,
 }
 
@@ -174,6 +208,9 @@ class DetectConfig:
 
     lost: LostConfig = field(default_factory=LostConfig)
     """The lost-rank rule and the liveness clock."""
+
+    stall: StallConfig = field(default_factory=StallConfig)
+    """The hang and silent-loss rules."""
 
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
     """Rolling windows, flag and clear persistence."""

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from fsdp_sentinel.correlate import Summary
 from fsdp_sentinel.detect import baseline as B
-from fsdp_sentinel.detect import compute, lost, network, noise, persistence
+from fsdp_sentinel.detect import compute, lost, network, noise, persistence, stall
 from fsdp_sentinel.detect.config import DetectConfig
 from fsdp_sentinel.detect.state import NEW_TRACK, DetectState, RankScore, RankTrack, Report
 from fsdp_sentinel.detect.stats import median, push, rnd
@@ -35,6 +35,12 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     base = B.baseline(state.job_hist, cfg)
 
     lost_now, lost_verdicts = lost.judge_lost(summary, state.lost, cfg.lost, base)
+    # Hangs and silent losses: collectives pending long past the job's own pace.
+    pace = max(base or 0.0, median(state.job_recent) if state.job_recent else 0.0)
+    lost_now, hung_now, stall_verdicts = stall.judge_stall(
+        summary, lost_now, state.hung, cfg.stall, pace or None
+    )
+    lost_verdicts.extend(stall_verdicts)
     if summary.step is None:  # a clock tick: liveness only
         return Report(
             summary.t,
@@ -45,7 +51,9 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             None,
             (),
             tuple(sorted(lost_verdicts, key=_by_rank)),
-            state if lost_now == state.lost else replace(state, lost=lost_now),
+            state
+            if lost_now == state.lost and hung_now == state.hung
+            else replace(state, lost=lost_now, hung=hung_now),
         )
 
     step = summary.step
@@ -215,6 +223,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         stretched=stretched,
         srtt_hist=srtt_hist,
         lost=lost_now,
+        hung=hung_now,
         net_memo=net_memo,
     )
     return Report(

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 from fsdp_sentinel.trace import Verdict
 
 #: Every cause a verdict can name.
-CAUSES = ("compute", "network", "rank_lost")
+CAUSES = ("compute", "network", "rank_lost", "hang")
 
 
 class RankTrack(NamedTuple):
@@ -33,7 +33,8 @@ class DetectState:
     """Everything :func:`~fsdp_sentinel.detect.detect` remembers; a new one comes back in each
     :class:`Report`.
 
-    ``lost`` maps a rank flagged ``rank_lost`` to the ``last_t`` it had then.
+    ``lost`` maps a rank flagged ``rank_lost`` to the ``last_t`` it had then;
+    ``hung`` a rank flagged ``hang`` to the ``seq`` it never issued.
     """
 
     tracks: dict[int, RankTrack] = field(default_factory=dict)
@@ -44,6 +45,7 @@ class DetectState:
     rel_noise: tuple[float, ...] = ()
     rel_lag: tuple[tuple[bool, tuple[float, ...]], ...] = ()
     lost: dict[int, float] = field(default_factory=dict)
+    hung: dict[int, int] = field(default_factory=dict)
     # The last flow matrix's network view, reused while the matrix and what it
     # was judged with are unchanged (steps come faster than flow samples).
     net_memo: tuple[Any, ...] = ()
