@@ -97,7 +97,8 @@ class RankLiveness(NamedTuple):
     peers whose connection *it* reset (a reset its peer received from it, or one
     it sent). A process that dies leaves its kernel to reset connections with
     data in flight, while an orderly exit closes them, so this tells a killed
-    rank from the peers that exit after it.
+    rank from the peers that exit after it. ``pending_t``: its newest
+    ``pending`` record (0.0: none filed): alive, but blocked, so not silent.
     """
 
     rank: int
@@ -109,6 +110,7 @@ class RankLiveness(NamedTuple):
     torn_t: float | None
     self_closed: bool
     reset_peers: int
+    pending_t: float = 0.0
 
 
 class Pending(NamedTuple):
@@ -860,7 +862,9 @@ class Correlator:
         if pending:
             since = min(p.issue for p in pending)
             for key in sorted(self.pairs):
-                n = sum(x[5] for x in self.pairs[key].samples if x[0] >= since)
+                # Only samples wholly inside the stall: retransmits of the
+                # moments before it are the ordinary kind.
+                n = sum(x[5] for x in self.pairs[key].samples if x[0] - x[1] >= since)
                 if n:
                     retrans.append((key[0], key[1], n))
         return Stall(tuple(pending), tuple(newest), heard, tuple(retrans))
@@ -948,6 +952,7 @@ class Correlator:
                     min(torn.values()) if torn else None,
                     rank in closed,
                     len(reset_by.get(rank, ())),
+                    max(p.t for p in rs.pending.values()) if rs.pending else 0.0,
                 )
             )
         return tuple(out)

@@ -256,8 +256,16 @@ class Pipeline:
         return self._clock_to(rec["t"])
 
     def _on_pending(self, rec: Record) -> list[Record]:
+        # Checked at once rather than at the next tick: the record that shows
+        # a collective stalled long enough names the rank missing from it,
+        # half a tick sooner (pending records are few, one a second a rank).
         self.corr.add_pending(rec)
-        return self._clock_to(rec["t"])
+        t = float(rec["t"])
+        if t > self.now:
+            self.now = t
+        if self._next_tick != -math.inf:
+            self._next_tick = self.now
+        return self._advance(self.now)
 
     def _on_flow(self, rec: Record) -> list[Record]:
         self.corr.add_flow(rec)

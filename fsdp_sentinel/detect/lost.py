@@ -58,9 +58,14 @@ def judge_lost(
             and (summary.mid_step or lv.done_step < summary.job_done or lv.reset_peers)
         ):
             torn.append(lv)
-        elif silent >= silence:
+        elif t - max(lv.last_t, lv.pending_t) >= silence:
+            # A rank still sending pending records is alive, blocked; and the
+            # others carry on only by completing work (their last_t), not by
+            # waiting: after a job-wide stall the first rank to finish must
+            # not make every other look left behind.
+            heard = max(lv.last_t, lv.pending_t)
             others = [o.last_t for o in live if o.rank != lv.rank and o.rank not in lost]
-            if others and max(others) >= lv.last_t + silence:
+            if others and max(others) >= heard + silence:
                 quiet.append(lv)
     ambiguous = False
     casualties: list[int] = []
