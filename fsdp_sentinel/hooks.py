@@ -263,7 +263,7 @@ class Instrumentation:
     def _report_pending(self) -> None:
         """On the sender thread: a ``pending`` record for each collective due one.
 
-        ``list(dict.items())`` copies in one C call that holds the GIL, so
+        ``list(dict.values())`` copies in one C call that holds the GIL, so
         the training thread's inserts and pops cannot change the dict under
         it; an entry popped after the copy at worst yields one last pending
         record just before its ``coll`` record, which readers expect anyway.
@@ -271,23 +271,24 @@ class Instrumentation:
         if not self._inflight:
             return
         now = self.clock()
-        for seq, entry in list(self._inflight.items()):
+        for entry in list(self._inflight.values()):
             rec, due = entry
             if now < due:
                 continue
             entry[1] = now + self.pending_every_s
             self.pendings += 1
-            self._safe_emit(
-                lambda rec=rec, seq=seq: {
-                    "kind": "pending",
-                    "t": now,
-                    "rank": self.rank,
-                    "step": rec["step"],
-                    "seq": seq,
-                    "op": rec["op"],
-                    "issue": rec["issue"],
-                }
-            )
+            self._safe_emit(functools.partial(self._pending_record, rec, now))
+
+    def _pending_record(self, rec: dict[str, Any], now: float) -> dict[str, Any]:
+        return {
+            "kind": "pending",
+            "t": now,
+            "rank": self.rank,
+            "step": rec["step"],
+            "seq": rec["seq"],
+            "op": rec["op"],
+            "issue": rec["issue"],
+        }
 
 
 def _cuda_done_waiter(work: Any) -> Callable[[], None]:

@@ -22,7 +22,7 @@ GOLDEN = sorted(p for p in TRACES.glob("*.jsonl*") if truth_path(p).exists())
 
 def test_there_are_golden_traces_of_each_basic_kind() -> None:
     names = {p.name.split(".")[0] for p in GOLDEN}
-    assert {"clean_2r", "slow_compute_2r", "spike_2r"} <= names
+    assert {"clean_2r", "slow_compute_2r", "spike_2r", "lab-hang", "lab-silent-node"} <= names
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
@@ -34,8 +34,11 @@ def test_golden_trace_gives_its_truth(path: Path) -> None:
     assert not j.false, f"false flags {j.false}"
     assert j.cause_ok == len(j.found)
     for e, v in j.found:
-        if e["cause"] != "rank_lost" and e.get("factor", 0) >= 1.3:
+        if e["cause"] not in ("rank_lost", "hang") and e.get("factor", 0) >= 1.3:
             assert v["step"] - e["onset_step"] <= 3, (e, v)
+        if e["cause"] == "hang" or e.get("what") == "silent_node":
+            # Judged on the clock: named within 3 s of the fault.
+            assert v["t"] - e["onset_t"] <= 3.0, (e, v)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
@@ -44,7 +47,7 @@ def test_golden_trace_with_one_rank_shifted_20ms_gives_the_same_verdicts(path: P
     recs = list(trace.read_trace(path))
     shifted = []
     for r in recs:
-        if r.get("rank") == 1 and r.get("kind") in ("step", "coll", "rank"):
+        if r.get("rank") == 1 and r.get("kind") in ("step", "coll", "rank", "pending"):
             r = dict(r)
             for k in ("t", "start", "end", "issue"):
                 if k in r:

@@ -20,12 +20,14 @@ from typing import Any
 import pytest
 
 from fsdp_sentinel.lab import (
+    HangRank,
     KillRank,
     Lab,
     LabConfig,
     LabError,
     NoisyNeighbor,
     PacketLoss,
+    SilentNode,
     SlowCompute,
     SlowLink,
 )
@@ -353,3 +355,102 @@ def test_stacked_faults_keep_a_flat_qdisc_tree(lab: Lab) -> None:
     assert clsact(lab.switch_netns, h1.switch_ifname) is not None  # the other fault is untouched
     lab.clear(loss)
     assert clsact(lab.switch_netns, h1.switch_ifname) is None and lab.active_faults() == []
+
+
+def proc_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (T: stopped), from /proc/PID/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def established(netns: str, port: int) -> int:
+    out = subprocess.run(["ss", "-N", netns, "-tnH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return len([ln for ln in out.splitlines() if ln.strip()])
+
+
+# A rank that holds a TCP connection to host 0 and sleeps: what a hung rank looks like.
+HOLD = """
+import socket, sys, time
+for _ in range(200):
+    try:
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
+    except OSError:
+        time.sleep(0.05)
+time.sleep(300)
+"""
+ACCEPT = """
+import socket, sys, time
+srv = socket.create_server(("0.0.0.0", int(sys.argv[1]))); print("ready", flush=True)
+c, _ = srv.accept(); time.sleep(300)
+"""
+
+
+def test_hang_rank_stops_the_rank_keeps_its_socket_and_continues_on_clear(lab: Lab) -> None:
+    port = 7011
+    server = lab.python(0, ["-c", ACCEPT, str(port)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    rank = lab.python(1, ["-c", HOLD, lab.hosts[0].addr, str(port)], env={"RANK": "1"})
+    helper = lab.popen(1, ["sleep", "300"])
+    for _ in range(100):
+        if established(lab.hosts[0].netns, port):
+            break
+        time.sleep(0.05)
+    assert established(lab.hosts[0].netns, port) == 1
+    fault = HangRank(1)
+    rec = lab.inject(fault)
+    assert_fault_record(rec, "rank_hang", lab, 1)
+    assert rec["params"] == {"pids": [rank.pid], "signal": "SIGSTOP"}
+    time.sleep(0.2)
+    assert proc_state(rank.pid) == "T" and proc_state(helper.pid) != "T"
+    # Stopped, not gone: no FIN, no RST, the peer still sees it connected.
+    time.sleep(1.0)
+    assert established(lab.hosts[0].netns, port) == 1
+    lab.clear(fault)
+    time.sleep(0.2)
+    assert proc_state(rank.pid) != "T" and rank.poll() is None
+
+
+def ping(lab: Lab, src: int, dst: int) -> bool:
+    p = lab.popen(src, ["ping", "-c1", "-W1", lab.hosts[dst].addr], stdout=subprocess.DEVNULL)
+    return p.wait(timeout=10) == 0
+
+
+def link_flags(netns: str, dev: str) -> list[str]:
+    return list(sh_json("ip", "-n", netns, "-j", "link", "show", "dev", dev)[0]["flags"])
+
+
+def test_silent_node_cuts_the_host_off_without_a_reset_and_clear_restores_it(lab: Lab) -> None:
+    h1 = lab.hosts[1]
+    assert ping(lab, 0, 1)
+    fault = SilentNode(1)
+    rec = lab.inject(fault)
+    assert_fault_record(rec, "silent_node", lab, 1)
+    # The switch's end is down; the host's own end stays configured (up, no carrier).
+    assert "UP" not in link_flags(lab.switch_netns, h1.switch_ifname)
+    host_end = link_flags(h1.netns, h1.ifname)
+    assert "UP" in host_end and "NO-CARRIER" in host_end
+    assert not ping(lab, 0, 1) and not ping(lab, 1, 0)
+    # Its shaping is untouched: the link comes back as it was.
+    assert tbf(lab.switch_netns, h1.switch_ifname)["options"]["rate"] == int(RATE * 1e6 / 8)
+    lab.clear(fault)
+    assert "UP" in link_flags(lab.switch_netns, h1.switch_ifname)
+    for _ in range(20):
+        if ping(lab, 0, 1):
+            break
+    assert ping(lab, 0, 1) and ping(lab, 1, 0)
+
+
+def test_hang_and_silent_node_are_undone_by_close() -> None:
+    teardown(NAME)
+    with Lab(LabConfig(name=NAME, hosts=2, rate_mbit=RATE, subnet="198.18.8.0/24")) as lab:
+        rank = lab.popen(1, ["sleep", "300"], env={"RANK": "1"})
+        time.sleep(0.2)
+        lab.inject(HangRank(1))
+        lab.inject(SilentNode(0))
+        time.sleep(0.2)
+        assert proc_state(rank.pid) == "T"
+    # Lab.close undid both before tearing down: the stopped rank was continued
+    # (then ended with the lab), nothing is left stopped.
+    assert not alive(rank.pid) or proc_state(rank.pid) != "T"
+    teardown(NAME)
