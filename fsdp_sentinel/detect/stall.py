@@ -20,7 +20,8 @@ who is missing:
   is cut off (its peers resend into a dead link, and so does it): ``rank_lost``
   for every rank on that host.
 
-A job that ends normally has nothing pending, so none of this can fire. A hung
+A job that ends normally has nothing pending, so none of this can fire; nor
+once a rank is lost (its loss is the stall, the rest are its casualties). A hung
 rank is cleared once it issues the collective it was missing (or completes a
 step); a lost one by the ``lost`` rule, when it is heard from again.
 """
@@ -53,7 +54,9 @@ def judge_stall(
     by_rank = {lv.rank: lv for lv in summary.liveness}
     if hung:
         out += _clear_hangs(summary, hung, lost, by_rank)
-    if summary.step is not None or not stall.pending:
+    if summary.step is not None or not stall.pending or lost:
+        # A rank already lost explains the stall: the survivors blocked on it,
+        # or failing their collectives as they go down, are its casualties.
         return lost, hung, out
     t = summary.t
     waiting = [p for p in stall.pending if t - p.t <= cfg.pending_stale_s and p.rank not in lost]
@@ -84,8 +87,8 @@ def judge_stall(
     named = {lv.rank for lv, _ in gone}
     for lv in summary.liveness:
         r = lv.rank
-        if r in lost or r in named or r in hung or r in waiting_ranks:
-            continue
+        if r in lost or r in named or r in hung or r in waiting_ranks or lv.torn_peers:
+            continue  # (a hung rank keeps its connections: a torn one is going down)
         if newest.get(r, -1) < first.seq:
             hung[r] = first.seq
             ev = {**ctx, "newest_seq": newest.get(r, -1)}
