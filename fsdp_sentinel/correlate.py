@@ -39,6 +39,7 @@ Record = dict[str, Any]
 # The hot paths look fields up with the parser's own key objects (an identity
 # hit in each record's dict; see trace.KEY).
 _END, _RANK, _STEP, _GROUP = KEY["end"], KEY["rank"], KEY["step"], KEY["group"]
+_T, _DT, _HOST = KEY["t"], KEY["dt"], KEY["host"]
 
 # Every field the step summary and the per-op totals read, in one lookup pass
 # per record: the per-op totals then work on these columns, so no record has
@@ -594,20 +595,22 @@ class Correlator:
             rs.pending[seq] = p
         self._pending_ranks.add(rank)
 
-    def heard_host(self, host: str, t: float, dt: float) -> None:
-        """A host's own probe record (``netdev``, ``flow``) arrived at ``t``."""
-        h = self.hosts_heard.get(host)
+    def heard_host(self, rec: Record) -> None:
+        """A host's own probe record (``netdev``, ``flow``) arrived: note when.
+
+        Per probe record, so kept to two lookups; a time that is not a number
+        raises TypeError here (the record counts as malformed).
+        """
+        t = rec[_T]
+        h = self.hosts_heard.get(rec[_HOST])
         if h is None:
-            self.hosts_heard[host] = [t, dt]
+            self.hosts_heard[str(rec[_HOST])] = [float(t), float(rec[_DT])]
         elif t > h[0]:
             h[0] = t
-            h[1] = dt
-
-    def add_netdev(self, rec: Record) -> None:
-        self.heard_host(str(rec["host"]), float(rec["t"]), float(rec["dt"]))
+            h[1] = rec[_DT]
 
     def add_flow(self, rec: Record) -> None:
-        self.heard_host(str(rec["host"]), float(rec["t"]), float(rec["dt"]))
+        self.heard_host(rec)
         hit = self._attribute(rec)
         if hit is None:
             self.unattributed_flows += 1
@@ -824,7 +827,9 @@ class Correlator:
 
     def tick_summary(self, now: float) -> Summary:
         summary = self._summary(now, None, ())
-        if self._pending_ranks or self.hosts_heard:
+        # Only a rank waiting in a collective can make a stall: otherwise the
+        # rules have nothing to judge, and the view is not built.
+        if self._pending_ranks:
             summary = summary._replace(stall=self.stall())
         return summary
 

@@ -252,7 +252,7 @@ class Pipeline:
         return self._clock_to(rec["t"])
 
     def _on_netdev(self, rec: Record) -> list[Record]:
-        self.corr.add_netdev(rec)
+        self.corr.heard_host(rec)
         return self._clock_to(rec["t"])
 
     def _on_pending(self, rec: Record) -> list[Record]:
