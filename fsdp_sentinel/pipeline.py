@@ -5,9 +5,11 @@ step is complete on every live rank (or a rank is already ``finalize_lag``
 steps further on) it summarises that step once and runs the pure detector on
 it. The pipeline's only clock is the record stream: "now" is the newest record
 time seen, and every ``tick_s`` of stream time it checks liveness (probe
-``netdev``/``flow`` records keep arriving every interval even while all ranks
-are blocked, which is what lets ``rank_lost`` fire). So the same records in the
-same order give byte-identical verdicts, live or in replay.
+``netdev``/``flow`` records and the daemon's own ``clock`` record keep
+arriving every interval even while all ranks are blocked, which is what lets
+``rank_lost`` and ``hang`` fire); a ``pending`` record is checked at once. So
+the same records in the same order give byte-identical verdicts, live or in
+replay.
 
 Robust to what a live stream does: records slightly out of order across
 ranks (a step is only summarised once complete), records lost (a step with a

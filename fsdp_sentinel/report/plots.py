@@ -15,7 +15,12 @@ from typing import Any
 
 from fsdp_sentinel.report.model import ReportData
 
-CAUSE_COLOURS = {"network": "#d62728", "compute": "#ff7f0e", "rank_lost": "#7f7f7f"}
+CAUSE_COLOURS = {
+    "network": "#d62728",
+    "compute": "#ff7f0e",
+    "rank_lost": "#7f7f7f",
+    "hang": "#8c564b",
+}
 FAULT_COLOUR = "#9467bd"
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
