@@ -137,32 +137,32 @@ def waiting(rank: int, seq: int = 40, issue: float = 100.0, t: float = 102.0) ->
 
 def test_the_stall_must_outlast_a_few_of_the_jobs_steps() -> None:
     s = summary(102.1, [waiting(0), waiting(1)], {0: 39, 1: 39, 2: 39})
-    _, hung, out = judge_stall(s, {}, {}, CFG, step_s=0.3)
+    _, hung, out = judge_stall(s, {}, {}, CFG, 0.3)
     assert hung == {2: 40} and [v.cause for v in out] == ["hang"]
     # A job of 1 s steps: 2.1 s pending is two steps, no stall yet.
-    _, hung, out = judge_stall(s, {}, {}, CFG, step_s=1.0)
+    _, hung, out = judge_stall(s, {}, {}, CFG, 1.0)
     assert hung == {} and out == []
 
 
 def test_stale_pending_records_say_nothing() -> None:
     s = summary(110.0, [waiting(0, t=102.0), waiting(1, t=102.0)], {0: 39, 1: 39, 2: 39})
-    assert judge_stall(s, {}, {}, CFG, step_s=0.3)[2] == []
+    assert judge_stall(s, {}, {}, CFG, 0.3)[2] == []
 
 
 def test_everyone_waiting_and_every_retransmit_touching_one_rank_is_a_cut_off_host() -> None:
     pend = [waiting(r) for r in range(4)]
     newest = {r: 40 for r in range(4)}
     s = summary(102.1, pend, newest, retrans=((1, 2, 3), (2, 1, 2), (2, 3, 3), (3, 2, 1)))
-    lost, hung, out = judge_stall(s, {}, {}, CFG, step_s=0.3)
+    lost, hung, out = judge_stall(s, {}, {}, CFG, 0.3)
     assert hung == {} and list(lost) == [2]
     (v,) = out
     assert (v.rank, v.cause, v.evidence["unreachable"]) == (2, "rank_lost", True)
     # Two ranks share every such flow: either end could be the one cut off.
     s2 = summary(102.1, pend[:2], {0: 40, 1: 40}, retrans=((0, 1, 3), (1, 0, 3)))
-    assert judge_stall(s2, {}, {}, CFG, step_s=0.3)[2] == []
+    assert judge_stall(s2, {}, {}, CFG, 0.3)[2] == []
     # Retransmits on flows that do not share a rank: no single host to blame.
     s3 = summary(102.1, pend, newest, retrans=((0, 1, 3), (2, 3, 3)))
-    assert judge_stall(s3, {}, {}, CFG, step_s=0.3)[2] == []
+    assert judge_stall(s3, {}, {}, CFG, 0.3)[2] == []
 
 
 def test_a_silent_host_needs_another_host_still_heard() -> None:

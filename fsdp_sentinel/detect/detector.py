@@ -36,11 +36,11 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
 
     lost_now, lost_verdicts = lost.judge_lost(summary, state.lost, cfg.lost, base)
     # Hangs and silent losses: collectives pending long past the job's own pace.
-    pace = max(base or 0.0, median(state.job_recent) if state.job_recent else 0.0)
     lost_now, hung_now, stall_verdicts = stall.judge_stall(
-        summary, lost_now, state.hung, cfg.stall, pace or None
+        summary, lost_now, state.hung, cfg.stall, base, state.job_recent
     )
-    lost_verdicts.extend(stall_verdicts)
+    if stall_verdicts:
+        lost_verdicts.extend(stall_verdicts)
     if summary.step is None:  # a clock tick: liveness only
         return Report(
             summary.t,

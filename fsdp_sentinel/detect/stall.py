@@ -28,8 +28,11 @@ step); a lost one by the ``lost`` rule, when it is heard from again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fsdp_sentinel.correlate import Pending, RankLiveness, Stall, Summary
 from fsdp_sentinel.detect.config import StallConfig
+from fsdp_sentinel.detect.stats import median
 from fsdp_sentinel.trace import Verdict
 
 
@@ -38,26 +41,32 @@ def judge_stall(
     lost_before: dict[int, float],
     hung_before: dict[int, int],
     cfg: StallConfig,
-    step_s: float | None,
+    base: float | None,
+    recent: Sequence[float] = (),
 ) -> tuple[dict[int, float], dict[int, int], list[Verdict]]:
     """Ranks hung or lost by this summary (and hangs cleared), and their verdicts.
 
     ``lost_before`` / ``hung_before`` are the ``lost`` rule's map (rank ->
     ``last_t`` when lost) and this rule's (rank -> the ``seq`` it never
-    issued); new maps are returned, the inputs are not changed. ``step_s`` is
-    the job's recent step time (None before there is one).
+    issued); new maps are returned, the inputs are not changed (and are
+    returned as they are when nothing changed). ``base`` and ``recent`` are
+    the job's baseline and recent step times: its pace.
     """
+    stall = summary.stall
+    judging = summary.step is None and bool(stall.pending) and not lost_before
+    if not hung_before and not judging:
+        return lost_before, hung_before, []  # the common case, every step: nothing to do
     lost = dict(lost_before)
     hung = dict(hung_before)
     out: list[Verdict] = []
-    stall = summary.stall
     by_rank = {lv.rank: lv for lv in summary.liveness}
     if hung:
         out += _clear_hangs(summary, hung, lost, by_rank)
-    if summary.step is not None or not stall.pending or lost:
-        # A rank already lost explains the stall: the survivors blocked on it,
-        # or failing their collectives as they go down, are its casualties.
+    if not judging:
+        # (Once a rank is lost it explains the stall: the survivors blocked on
+        # it, or failing their collectives as they go down, are its casualties.)
         return lost, hung, out
+    step_s = max(base or 0.0, median(recent) if recent else 0.0)
     t = summary.t
     waiting = [p for p in stall.pending if t - p.t <= cfg.pending_stale_s and p.rank not in lost]
     if not waiting:
