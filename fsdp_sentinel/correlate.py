@@ -197,6 +197,7 @@ class _Rank:
         "bad_fields",
         "pending",
         "seq_done",
+        "keys_done",
     )
 
     def __init__(self, rank: int) -> None:
@@ -221,7 +222,8 @@ class _Rank:
         self._op_plan: _OpPlan | None = None
         self.bad_fields = 0  # op or bytes fields of coll records that could not be added up
         self.pending: dict[int, Pending] = {}  # seq -> its newest pending record
-        self.seq_done = -1  # newest seq of its summarised coll records
+        self.seq_done = -1  # newest seq of its summarised coll records (see keys_done)
+        self.keys_done: Sequence[Any] = ()  # the newest summarised step's collective keys
 
     def add_ops(self, cols: _Columns) -> None:
         """Add one summarised step's collectives to the per-op totals."""
@@ -778,9 +780,9 @@ class Correlator:
                                 last += 1
                 wait = _blocked(cols)
                 rs.add_ops(cols)
-                top = _top_seq(cols.keys)
-                if top > rs.seq_done:
-                    rs.seq_done = top
+                # Its newest seq is read only when a stall is judged: keep the
+                # keys (one store per rank and step), not their maximum.
+                rs.keys_done = cols.keys
             step_s: float | None = None
             compute: float | None = None
             if srec is not None:
@@ -835,6 +837,9 @@ class Correlator:
 
     def newest_seq(self, rs: _Rank) -> int:
         """The newest ``seq`` ``rs`` completed: summarised or still filed."""
+        if rs.keys_done:
+            rs.seq_done = max(rs.seq_done, _top_seq(rs.keys_done))
+            rs.keys_done = ()
         top = rs.seq_done
         for lst in rs.colls.values():
             for c in lst:

@@ -35,11 +35,13 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     base = B.baseline(state.job_hist, cfg)
 
     lost_now, lost_verdicts = lost.judge_lost(summary, state.lost, cfg.lost, base)
-    # Hangs and silent losses: collectives pending long past the job's own pace.
-    lost_now, hung_now, stall_verdicts = stall.judge_stall(
-        summary, lost_now, state.hung, cfg.stall, base, state.job_recent
-    )
-    if stall_verdicts:
+    # Hangs and silent losses: collectives pending long past the job's own pace
+    # (only a tick with a rank waiting, or a rank hung, has anything to judge).
+    hung_now = state.hung
+    if hung_now or (summary.step is None and summary.stall.pending):
+        lost_now, hung_now, stall_verdicts = stall.judge_stall(
+            summary, lost_now, hung_now, cfg.stall, base, state.job_recent
+        )
         lost_verdicts.extend(stall_verdicts)
     if summary.step is None:  # a clock tick: liveness only
         return Report(
