@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import reduce
 from itertools import islice
 from operator import add, gt, itemgetter, le, sub
@@ -128,6 +128,20 @@ class Summary(NamedTuple):
     liveness: tuple[RankLiveness, ...]
     job_done: int
     mid_step: bool
+
+
+def weighted_srtt(samples: Iterable[tuple[float | None, int]]) -> float | None:
+    """The srtt of several ``(srtt_us, tx_bytes)`` samples, weighted by bytes sent (a sample
+    that sent nothing weighs as one byte); None when none has an srtt. The flow
+    matrix weighs its window's samples the same way (inline there: it runs per step)."""
+    wsum = 0.0
+    wbytes = 0
+    for srtt, tx in samples:
+        if srtt is not None:
+            w = tx if tx > 0 else 1
+            wsum += srtt * w
+            wbytes += w
+    return (wsum / wbytes) if wbytes else None
 
 
 class _Rank:
@@ -517,11 +531,12 @@ class Correlator:
         self._peers.setdefault(hit[1], set()).add(hit[0])
         return hit
 
-    def add_flow(self, rec: Record) -> None:
+    def add_flow(self, rec: Record) -> tuple[int, int] | None:
+        """File one flow sample; return the ``(rank, peer)`` it was attributed to, or None."""
         hit = self._attribute(rec)
         if hit is None:
             self.unattributed_flows += 1
-            return
+            return None
         pair = self.pairs.get(hit)
         if pair is None:
             pair = self.pairs[hit] = _Pair()
@@ -547,6 +562,7 @@ class Correlator:
         if dt > 0:
             pair.tx_rate = tx / dt
             pair.rx_rate = rx / dt
+        return hit
 
     def add_conn(self, rec: Record) -> None:
         host = rec["host"]

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from fsdp_sentinel.correlate import Correlator
+from fsdp_sentinel.correlate import Correlator, RankStep
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
 from fsdp_sentinel.trace import KEY
@@ -41,6 +41,19 @@ PASSIVE_KINDS = frozenset({"header", "verdict", "action", "fault"})
 _NOTHING: tuple[Record, ...] = ()
 
 
+class Observer(Protocol):
+    """What a consumer that draws the pipeline's own figures (the HTML report) is told.
+
+    ``on_step``: a step summarised, with each rank's figures exactly as the
+    detector judged them; ``on_flow``: a flow sample and the ``(rank, peer)``
+    pair the correlator filed it under.
+    """
+
+    def on_step(self, step: int, ranks: tuple[RankStep, ...]) -> None: ...
+
+    def on_flow(self, rec: Record, pair: tuple[int, int]) -> None: ...
+
+
 class Pipeline:
     """Correlate + detect over a record stream (see the module docstring).
 
@@ -50,8 +63,14 @@ class Pipeline:
     ``verdicts`` emitted.
     """
 
-    def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
+    def __init__(
+        self,
+        config: DetectConfig | None = None,
+        finalize_lag: int = 2,
+        observer: Observer | None = None,
+    ) -> None:
         self.config = config or DetectConfig()
+        self.observer = observer
         self.finalize_lag = finalize_lag
         self.corr = Correlator(flow_window_s=self.config.network.flow_window_s)
         self.state = DetectState()
@@ -250,7 +269,9 @@ class Pipeline:
         return self._clock_to(rec["t"])
 
     def _on_flow(self, rec: Record) -> list[Record]:
-        self.corr.add_flow(rec)
+        pair = self.corr.add_flow(rec)
+        if pair is not None and self.observer is not None:
+            self.observer.on_flow(rec, pair)
         return self._on_clock(rec)
 
     def _on_conn(self, rec: Record) -> list[Record]:
@@ -306,7 +327,20 @@ class Pipeline:
         for old in [s for s in self._need if s <= step]:
             del self._need[old]
         self._steps += 1
-        return self._run(self.corr.step_summary(step, self.now))
+        summary = self.corr.step_summary(step, self.now)
+        if self.observer is not None:
+            self.observer.on_step(step, summary.ranks)
+        return self._run(summary)
+
+    def summarise_pending(self) -> None:
+        """At the end of the input, summarise for the observer every step still
+        waiting for a rank (its record lost, or the rank gone), without judging
+        them: no verdicts, no state change in the detector."""
+        for step in self.corr.pending_steps():
+            if step > self.corr.summarised:
+                summary = self.corr.step_summary(step, self.now)
+                if self.observer is not None:
+                    self.observer.on_step(step, summary.ranks)
 
     def _run(self, summary: Any) -> list[Record]:
         report = detect(summary, self.state, self.config)

@@ -182,6 +182,12 @@ def _verdict_table(data: ReportData) -> str:
         return _note(
             "No verdict records in this trace: nothing was flagged (or detection did not run)."
         )
+    head = ""
+    if data.verdicts_replayed:
+        head = _note(
+            "The trace holds no verdict records: these are the verdicts a replay of it"
+            " gives (fsdp-sentinel replay, default thresholds)."
+        )
     rows = [
         (
             _rel(data, v["t"]),
@@ -197,7 +203,7 @@ def _verdict_table(data: ReportData) -> str:
         for v in data.verdicts
     ]
     headers = ("t (s)", "step", "rank", "host", "state", "cause", "score", "peer", "evidence")
-    return _table(headers, rows, lambda i: "flagged" if rows[i][4] == "flagged" else "")
+    return head + _table(headers, rows, lambda i: "flagged" if rows[i][4] == "flagged" else "")
 
 
 def _action_table(data: ReportData) -> str:
@@ -262,7 +268,8 @@ def render(data: ReportData, paths: Sequence[str], title: str | None = None) -> 
             _plot(plots.compute_wait(data), "computewait", no_steps)
             + _note(
                 "Wait: time inside the rank's collectives during the step (union of coll"
-                " issue..end); compute: step time minus wait."
+                " issue..end), as the detector and /metrics count it; compute: step time"
+                " minus wait."
             ),
             "computewait",
         ),
