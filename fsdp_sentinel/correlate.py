@@ -25,6 +25,7 @@ This module does no I/O and keeps no clock: the caller says what time it is.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import reduce
@@ -74,7 +75,12 @@ class RankStep(NamedTuple):
 class PairFlow(NamedTuple):
     """Traffic ``rank`` -> ``peer`` as ``rank``'s sockets saw it over ``dt`` seconds.
 
-    ``srtt_us`` is weighted by bytes sent (None when no flow reported one).
+    ``srtt_us`` is weighted by bytes sent (None when no flow reported one);
+    ``srtt_med_us`` is the median of the busy samples' srtt (:func:`busy_median`), which
+    one odd sample cannot move (per-sample srtt is noisy: on the lab's clean
+    runs it spans 0.1-20 ms); ``srtt_new_us`` the same over the newest poll
+    only (fresh, not robust: for strong evidence only); ``cwnd`` the median
+    of the samples' cwnd.
     """
 
     rank: int
@@ -84,6 +90,9 @@ class PairFlow(NamedTuple):
     dt: float
     srtt_us: float | None
     retrans: int
+    srtt_med_us: float | None = None  # median of the window's busy samples
+    cwnd: float | None = None  # median congestion window of the window's samples
+    srtt_new_us: float | None = None  # the same over the newest poll's samples
 
 
 class RankLiveness(NamedTuple):
@@ -142,6 +151,18 @@ def weighted_srtt(samples: Iterable[tuple[float | None, int]]) -> float | None:
             wsum += srtt * w
             wbytes += w
     return (wsum / wbytes) if wbytes else None
+
+
+def busy_median(samples: list[tuple[float, int]]) -> float:
+    """The median srtt of ``(srtt_us, tx_bytes)`` samples (not empty), over the busy ones:
+    those that sent at least a quarter of the pair's mean a sample (an idle
+    socket's srtt is stale). An even count averages the middle two, so the
+    figure never depends on which of two samples carried a few more bytes."""
+    floor = 0.25 * sum(w for _, w in samples) / len(samples)
+    busy = sorted(v for v, w in samples if w >= floor)
+    n = len(busy)
+    mid = n // 2
+    return busy[mid] if n % 2 else (busy[mid - 1] + busy[mid]) / 2.0
 
 
 class _Rank:
@@ -269,8 +290,8 @@ class _Pair:
     )
 
     def __init__(self) -> None:
-        # (t, dt, tx, rx, srtt_us or None, retrans)
-        self.samples: deque[tuple[float, float, int, int, float | None, int]] = deque()
+        # (t, dt, tx, rx, srtt_us or None, retrans, cwnd or None)
+        self.samples: deque[tuple[float, float, int, int, float | None, int, Any]] = deque()
         self.tx_total = 0
         self.rx_total = 0
         self.retrans_total = 0
@@ -373,6 +394,7 @@ class Correlator:
 
     def __init__(self, flow_window_s: float = 3.0) -> None:
         self.flow_window_s = flow_window_s
+        self.flow_dt: float | None = None  # the probes' interval: the latest flow sample's dt
         self.ranks: dict[int, _Rank] = {}
         self.world_size: int | None = None
         self.pairs: dict[tuple[int, int], _Pair] = {}
@@ -548,7 +570,8 @@ class Correlator:
         retrans = int(rec.get("retrans") or 0)
         t = float(rec["t"])
         samples = pair.samples
-        samples.append((t, dt, tx, rx, srtt, retrans))
+        samples.append((t, dt, tx, rx, srtt, retrans, rec.get("cwnd")))
+        self.flow_dt = dt
         pair.view = None
         self._matrix = None
         # Keep memory flat when no step ever completes (probes, no trainer).
@@ -795,7 +818,11 @@ class Correlator:
             dt = 0.0
             wsum = 0.0
             wbytes = 0
-            for _t, sdt, stx, srx, srtt, sre in samples:
+            weighted: list[tuple[float, int]] = []
+            newest: list[tuple[float, int]] = []
+            cwnds: list[float] = []
+            last_t = samples[-1][0] - 0.5 * samples[-1][1]  # the newest poll's samples
+            for st, sdt, stx, srx, srtt, sre, cwnd in samples:
                 tx += stx
                 rx += srx
                 dt += sdt
@@ -804,8 +831,22 @@ class Correlator:
                     w = stx if stx > 0 else 1
                     wsum += srtt * w
                     wbytes += w
+                    weighted.append((srtt, w))
+                    if st >= last_t:
+                        newest.append((srtt, w))
+                if cwnd is not None:
+                    cwnds.append(cwnd)
             view = pair.view = PairFlow(
-                key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans
+                key[0],
+                key[1],
+                tx,
+                rx,
+                dt,
+                (wsum / wbytes) if wbytes else None,
+                retrans,
+                busy_median(weighted) if weighted else None,
+                statistics.median(cwnds) if cwnds else None,
+                busy_median(newest) if newest else None,
             )
             out.append(view)
         self._matrix = matrix = tuple(out)

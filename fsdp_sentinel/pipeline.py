@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from fsdp_sentinel.correlate import Correlator, RankStep
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
+from fsdp_sentinel.detect.network import window_s as evidence_window_s
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
 from fsdp_sentinel.trace import KEY
 
@@ -221,6 +222,8 @@ class Pipeline:
                     state=state,
                     cause=verdict["cause"] if verdict else None,
                     score=verdict["score"] if verdict else None,
+                    scope=(verdict.get("evidence") or {}).get("scope") if verdict else None,
+                    peer_rank=verdict.get("peer_rank") if verdict else None,
                     coll_count_total=dict(rs.coll_count),
                     coll_bytes_total=dict(rs.coll_bytes),
                     coll_seconds_total=dict(rs.coll_seconds),
@@ -346,6 +349,12 @@ class Pipeline:
         report = detect(summary, self.state, self.config)
         self.state = report.state
         self.last_report = report
+        if report.step is not None:
+            # Evidence windows are counted in the job's own steps (a floor in
+            # probe intervals): the same number of steps for fast and slow jobs.
+            self.corr.flow_window_s = evidence_window_s(
+                report.baseline_step_s, self.corr.flow_dt, self.config.network
+            )
         if not report.verdicts:
             return []
         out = [v.record() for v in report.verdicts]

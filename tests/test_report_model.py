@@ -274,10 +274,9 @@ def test_report_steps_and_verdicts_are_the_pipelines(name: str) -> None:
         assert row.compute == pytest.approx(want[1], abs=1e-12)
     assert judged >= 0.9 * len(data.steps)
     recorded = [r for r in read_trace(path) if r.get("kind") == "verdict"]
-    key = [(v["rank"], v["state"], v["cause"], v["step"]) for v in replayed]
-    if recorded:  # a daemon capture: its verdicts are the replayed ones
-        assert [(v["rank"], v["state"], v["cause"], v["step"]) for v in recorded] == key
+    if recorded:  # a daemon capture: the report shows what the daemon said
         assert data.verdicts == sorted(recorded, key=lambda r: float(r["t"]))
+        assert not data.verdicts_replayed
     else:
         assert data.verdicts_replayed and data.verdicts == sorted(
             replayed, key=lambda r: float(r["t"])

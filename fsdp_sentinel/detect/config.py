@@ -88,8 +88,20 @@ class NetworkConfig(_Checked):
     """``network``: the job stretched while nobody is late, on slow or lossy flows."""
 
     net_ratio: float = 1.5
-    """srtt of the flows touching a rank over srtt of flows not touching it
-    that counts as localised to it."""
+    """srtt (each flow's median over the window) of the flows touching a rank,
+    or a link, over that of the other flows that counts as localised to it."""
+
+    net_fast_ratio: float = 2.5
+    """The same ratio from the newest probe poll alone that counts at once
+    (strong evidence: found a few samples before the window's median moves)."""
+
+    net_hold_ratio: float = 1.25
+    """A rank flagged ``network`` stays so while its score holds this much
+    (hysteresis)."""
+
+    link_clean_ratio: float = 1.25
+    """A link is blamed (not a host) only while each end's other flows stay
+    under this ratio."""
 
     net_min_bytes: int = 65536
     """Bytes a pair must send in the flow window to count."""
@@ -98,11 +110,24 @@ class NetworkConfig(_Checked):
     """Retransmits in the window before their share can localise a problem."""
 
     retrans_share: float = 0.75
-    """Share of the window's retransmits on a rank's flows that localises a
-    problem to it."""
+    """Share of the window's retransmits on a rank's (or a link's) flows that
+    localises a problem to it."""
+
+    retrans_p: float = 1e-4
+    """How unlikely that share must be by chance (binomial, each retransmit
+    landing on the rank's flows in proportion to the bytes they carry): a
+    handful of retransmits never localises anything."""
+
+    flow_window_steps: float = 4.0
+    """Flow history the matrix covers, in baseline steps."""
+
+    flow_floor_intervals: float = 3.0
+    """... but never fewer than this many probe intervals (a flow's median
+    needs samples: the probes report once an interval)."""
 
     flow_window_s: float = 3.0
-    """Seconds of flow history the matrix covers."""
+    """Seconds of flow history before the job has a baseline step (or before
+    the probes' interval is known)."""
 
 
 @dataclass(frozen=True)

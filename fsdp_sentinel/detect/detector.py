@@ -57,7 +57,16 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     if job_step is not None:
         job_recent = push(job_recent, job_step, cfg.persistence.window)
     stretch = (median(job_recent) / base - 1.0) if (base and job_recent) else None
-    stretched_now = stretch is not None and stretch >= cfg.baseline.min_effect
+    # The network rule blames the job's slowness on flows: the window's
+    # stretch and this very step must both be slow (flow evidence lags the
+    # step by up to a probe interval; a fault already over is not blamed).
+    stretched_now = (
+        stretch is not None
+        and stretch >= cfg.baseline.min_effect
+        and job_step is not None
+        and base is not None
+        and job_step >= base * (1.0 + cfg.baseline.min_effect)
+    )
 
     net, net_memo = network.network_view_memo(
         state.net_memo,
@@ -73,7 +82,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     bar = noise.bar(state.rel_noise, cfg)
     low = max(cfg.baseline.min_effect, cfg.compute.sustained_share * bar)  # sustained bar
     ref_step = job_step if job_step is not None else base
-    n_present = len(present)
     rel_seen: list[float] = []
     suspect = False
     any_candidate = False
@@ -95,7 +103,9 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         candidate: str | None = None
         if warm and compute.is_candidate(slow, relative, individual, bar, cfg):
             candidate = "compute"
-        elif stretched_now and network.is_candidate(rs.rank, net, n_present, cfg.network):
+        elif stretched_now and network.is_candidate(
+            rs.rank, net, tr.cause == "network", cfg.network
+        ):
             candidate = "network"
         if candidate is not None:
             any_candidate = True

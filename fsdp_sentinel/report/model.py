@@ -183,6 +183,18 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def cause_text(v: Record) -> str:
+    """A verdict's cause as the report says it: a network verdict says whether the
+    host or the path between two ranks is to blame (its evidence's ``scope``)."""
+    cause = str(v.get("cause", ""))
+    scope = (v.get("evidence") or {}).get("scope")
+    if cause != "network" or scope is None:
+        return cause
+    if scope == "link":
+        return f"network: link rank {v['rank']} - rank {v.get('peer_rank')} (check the cable, port, switch path)"
+    return f"network: node (check the host{' ' + str(v['host']) if v.get('host') else ''})"
+
+
 def _spans(verdicts: list[Record], t_end: float) -> list[Span]:
     open_: dict[int, Record] = {}
     out: list[Span] = []

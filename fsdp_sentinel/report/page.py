@@ -15,7 +15,7 @@ from html import escape
 from typing import Any
 
 from fsdp_sentinel.report import plots
-from fsdp_sentinel.report.model import ReportData
+from fsdp_sentinel.report.model import ReportData, cause_text
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; max-width: 1150px;
@@ -97,7 +97,7 @@ def _findings(data: ReportData) -> str:
     if not flags:
         return "no rank flagged"
     return "; ".join(
-        f"rank {v['rank']} flagged at step {v['step']} (cause: {v['cause']}, score {_fmt(v['score'], 2)})"
+        f"rank {v['rank']} flagged at step {v['step']} (cause: {cause_text(v)}, score {_fmt(v['score'], 2)})"
         for v in flags
     )
 
@@ -195,7 +195,7 @@ def _verdict_table(data: ReportData) -> str:
             v["rank"],
             v.get("host"),
             v["state"],
-            v["cause"],
+            cause_text(v),
             v["score"],
             v.get("peer_rank"),
             v.get("evidence"),
