@@ -82,6 +82,23 @@ class ComputeConfig(_Checked):
     the bar (never under ``min_effect``): a 9-step median spreads about
     sqrt(pi / 18) of one step."""
 
+    trend_window: int = 20
+    """Steps of relative score the trend rule fits a line to (0: off)."""
+
+    trend_slope: float = 0.2
+    """Slope (relative score per 100 steps) a rank that ages must rise at."""
+
+    trend_level: float = 0.05
+    """... and the level its fitted line must have reached now (half of
+    ``min_effect``: flagged before the slow-down is large)."""
+
+    trend_bar_share: float = 0.5
+    """... and this share of the compute bar, when the machine is noisy."""
+
+    trend_concordance: float = 0.7
+    """Share of the window's pairs of steps in which the later score is the
+    higher (Kendall): 0.5 is noise, with a spread of 0.08 over 20 steps."""
+
 
 @dataclass(frozen=True)
 class NetworkConfig(_Checked):

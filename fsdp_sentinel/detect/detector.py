@@ -90,9 +90,17 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         tr = tracks.get(rs.rank)
         if tr is None:
             tr = NEW_TRACK
-        rel_now, rel_hist, relative, ind_hist, individual, rel_long, slow = compute.score(
-            rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg
-        )
+        (
+            rel_now,
+            rel_hist,
+            relative,
+            ind_hist,
+            individual,
+            rel_long,
+            slow,
+            rel_trend,
+            aging,
+        ) = compute.score(rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg)
         if rel_now is not None:
             rel_seen.append(rel_now)
         if relative is not None and relative >= cfg.baseline.min_effect:
@@ -134,6 +142,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
                     ratio if ratio >= 1.5 else None,
                     rel_long if relative is not None and relative < bar else None,
                     bar,
+                    rel_trend if aging is not None or relative is not None else (),
                 )
             else:
                 score, evidence, peer = network.evidence(rs, relative, net, stretch)
@@ -179,6 +188,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             flagged_step,
             rel_long,
             compute_sorted,
+            rel_trend,
         )
         matched = rs.matched
         scores.append(

@@ -169,6 +169,14 @@ def network_view(
         for r, x in ratio.items()
         if (x >= cfg.net_ratio or fast[r] >= cfg.net_fast_ratio) and r not in suppressed
     }
+    # The one that touches all of it wins: a candidate with a neighbour that
+    # scores higher (or is flagged already and still scores higher) shares its
+    # slow link with the culprit, and is the culprit's neighbour.
+    for r in sorted(node):
+        for k in _neighbours(between, r):
+            if k != r and (k in node or k in flagged) and ratio.get(k, 0.0) > ratio[r]:
+                del node[r]
+                break
     links: dict[int, tuple[int, str, float]] = {}
     if not ambiguous:
         _slow_links(between, touching, flagged, node, links, cfg)
@@ -293,6 +301,10 @@ def _retransmits(
         ):
             links.setdefault(a, (b, "retrans", on_link / total))
     return share, total
+
+
+def _neighbours(between: dict[tuple[int, int], list[PairFlow]], r: int) -> list[int]:
+    return [b if a == r else a for a, b in between if r in (a, b)]
 
 
 def network_view_memo(
