@@ -16,6 +16,7 @@ from fsdp_sentinel.lab.faults import (
     PacketLoss,
     SlowCompute,
     SlowLink,
+    SlowPath,
 )
 from fsdp_sentinel.lab.topology import Lab
 
@@ -30,4 +31,5 @@ __all__ = [
     "PacketLoss",
     "SlowCompute",
     "SlowLink",
+    "SlowPath",
 ]
