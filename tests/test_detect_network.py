@@ -114,3 +114,47 @@ def test_busy_median_ignores_idle_samples_and_averages_an_even_middle() -> None:
         n = len(vals)
         want = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
         assert busy_median(busy + idle) == pytest.approx(want)
+
+
+def matrix(srtt: dict[tuple[int, int], float], retrans: dict[tuple[int, int], int]) -> tuple:
+    """A duplex 4-rank ring's flow matrix: 2 MB each way on every link."""
+    from fsdp_sentinel.correlate import PairFlow
+
+    pairs = [(a, (a + d) % 4) for a in range(4) for d in (1, 3)]
+    return tuple(
+        PairFlow(
+            a,
+            b,
+            2 << 20,
+            2 << 20,
+            3.0,
+            srtt.get((a, b), 2000.0),
+            retrans.get((a, b), 0),
+            srtt.get((a, b), 2000.0),
+            10.0,
+            srtt.get((a, b), 2000.0),
+        )  # fmt: skip
+        for a, b in sorted(pairs)
+    )
+
+
+def test_a_handful_of_retransmits_with_clean_srtt_localises_nothing() -> None:
+    from fsdp_sentinel.detect.network import network_view
+
+    cfg = DetectConfig().network
+    # The clean lab run of issue 11: 9 retransmits, all on flows of rank 1, srtt clean.
+    flows = matrix({}, {(1, 0): 5, (1, 2): 4})
+    view = network_view(flows, [0, 1, 2, 3], None, cfg)
+    assert view.node == {} and view.links == {}
+    # Hundreds, as real loss gives, do.
+    flows = matrix({}, {(1, 0): 150, (1, 2): 140, (0, 1): 3})
+    assert network_view(flows, [0, 1, 2, 3], None, cfg).node == {1: "retrans"}
+
+
+def test_retransmits_of_one_link_blame_the_link_not_one_end() -> None:
+    from fsdp_sentinel.detect.network import network_view
+
+    cfg = DetectConfig().network
+    flows = matrix({}, {(1, 2): 120, (2, 1): 110})
+    view = network_view(flows, [0, 1, 2, 3], None, cfg)
+    assert view.node == {} and view.links == {1: (2, "retrans", 1.0)}
