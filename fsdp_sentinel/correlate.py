@@ -13,7 +13,8 @@ The :class:`Correlator` keeps just enough state to answer three questions:
   cancel: the last rank to arrive waits least, and its lateness at one
   collective is ``max wait in the group - its own wait``;
 * per pair of ranks (:class:`PairFlow`), over the latest ``flow_window_s``
-  seconds of ``flow`` records: bytes, byte-weighted srtt and retransmits; and
+  seconds of ``flow`` records (the pipeline sizes it in steps): bytes,
+  byte-weighted and median srtt, median cwnd and retransmits; and
   per rank (:class:`RankLiveness`) when it was last heard from and whether its
   connections were torn down.
 

@@ -33,7 +33,7 @@ Scored = tuple[
     tuple[float, ...],
     bool,
     tuple[float, ...],
-    "tuple[float, float, float] | None",
+    tuple[float, float, float] | None,
 ]
 
 

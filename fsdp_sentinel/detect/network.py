@@ -16,8 +16,8 @@ hypothesis against every other candidate:
   switch path, not a host. Two or more slow links with one end in common are
   that end's node.
 
-A flow is judged by its byte-weighted median srtt over the window, never by
-one sample. :func:`is_candidate` says whether the view blames a rank (a link
+A flow is judged by the median srtt of its busy samples over the window
+(``PairFlow.srtt_med_us``), never by one sample. :func:`is_candidate` says whether the view blames a rank (a link
 is carried by its lower rank, with the other end as ``peer_rank``). Pure.
 """
 
