@@ -14,7 +14,7 @@ The :class:`Correlator` keeps just enough state to answer three questions:
   collective is ``max wait in the group - its own wait``;
 * per pair of ranks (:class:`PairFlow`), over the latest ``flow_window_s``
   seconds of ``flow`` records (the pipeline sizes it in steps): bytes,
-  byte-weighted and median srtt, median cwnd and retransmits; and
+  byte-weighted srtt, retransmits and the samples themselves; and
   per rank (:class:`RankLiveness`) when it was last heard from and whether its
   connections were torn down.
 
@@ -26,7 +26,6 @@ This module does no I/O and keeps no clock: the caller says what time it is.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import reduce
@@ -77,11 +76,8 @@ class PairFlow(NamedTuple):
     """Traffic ``rank`` -> ``peer`` as ``rank``'s sockets saw it over ``dt`` seconds.
 
     ``srtt_us`` is weighted by bytes sent (None when no flow reported one);
-    ``srtt_med_us`` is the median of the busy samples' srtt (:func:`busy_median`), which
-    one odd sample cannot move (per-sample srtt is noisy: on the lab's clean
-    runs it spans 0.1-20 ms); ``srtt_new_us`` the same over the newest poll
-    only (fresh, not robust: for strong evidence only); ``cwnd`` the median
-    of the samples' cwnd.
+    ``samples`` are the window's own samples, for figures only some steps need
+    (the network rule's medians, ``detect.network.figures``).
     """
 
     rank: int
@@ -91,9 +87,9 @@ class PairFlow(NamedTuple):
     dt: float
     srtt_us: float | None
     retrans: int
-    srtt_med_us: float | None = None  # median of the window's busy samples
-    cwnd: float | None = None  # median congestion window of the window's samples
-    srtt_new_us: float | None = None  # the same over the newest poll's samples
+    # The window's samples, ``(t, dt, tx, rx, srtt_us, retrans, cwnd)``: the
+    # network rule takes its medians from them, only when it needs them.
+    samples: tuple[tuple[Any, ...], ...] = ()
 
 
 class RankLiveness(NamedTuple):
@@ -152,18 +148,6 @@ def weighted_srtt(samples: Iterable[tuple[float | None, int]]) -> float | None:
             wsum += srtt * w
             wbytes += w
     return (wsum / wbytes) if wbytes else None
-
-
-def busy_median(samples: list[tuple[float, int]]) -> float:
-    """The median srtt of ``(srtt_us, tx_bytes)`` samples (not empty), over the busy ones:
-    those that sent at least a quarter of the pair's mean a sample (an idle
-    socket's srtt is stale). An even count averages the middle two, so the
-    figure never depends on which of two samples carried a few more bytes."""
-    floor = 0.25 * sum(w for _, w in samples) / len(samples)
-    busy = sorted(v for v, w in samples if w >= floor)
-    n = len(busy)
-    mid = n // 2
-    return busy[mid] if n % 2 else (busy[mid - 1] + busy[mid]) / 2.0
 
 
 class _Rank:
@@ -819,11 +803,7 @@ class Correlator:
             dt = 0.0
             wsum = 0.0
             wbytes = 0
-            weighted: list[tuple[float, int]] = []
-            newest: list[tuple[float, int]] = []
-            cwnds: list[float] = []
-            last_t = samples[-1][0] - 0.5 * samples[-1][1]  # the newest poll's samples
-            for st, sdt, stx, srx, srtt, sre, cwnd in samples:
+            for _t, sdt, stx, srx, srtt, sre, _cwnd in samples:
                 tx += stx
                 rx += srx
                 dt += sdt
@@ -832,11 +812,6 @@ class Correlator:
                     w = stx if stx > 0 else 1
                     wsum += srtt * w
                     wbytes += w
-                    weighted.append((srtt, w))
-                    if st >= last_t:
-                        newest.append((srtt, w))
-                if cwnd is not None:
-                    cwnds.append(cwnd)
             view = pair.view = PairFlow(
                 key[0],
                 key[1],
@@ -845,9 +820,7 @@ class Correlator:
                 dt,
                 (wsum / wbytes) if wbytes else None,
                 retrans,
-                busy_median(weighted) if weighted else None,
-                statistics.median(cwnds) if cwnds else None,
-                busy_median(newest) if newest else None,
+                tuple(samples),
             )
             out.append(view)
         self._matrix = matrix = tuple(out)

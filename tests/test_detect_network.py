@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from fsdp_sentinel import synth as S
-from fsdp_sentinel.correlate import busy_median
 from fsdp_sentinel.detect import DetectConfig
-from fsdp_sentinel.detect.network import binomial_tail, window_s
+from fsdp_sentinel.detect.network import binomial_tail, busy_median, window_s
 from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.truth import judge
 
@@ -130,10 +129,7 @@ def matrix(srtt: dict[tuple[int, int], float], retrans: dict[tuple[int, int], in
             3.0,
             srtt.get((a, b), 2000.0),
             retrans.get((a, b), 0),
-            srtt.get((a, b), 2000.0),
-            10.0,
-            srtt.get((a, b), 2000.0),
-        )  # fmt: skip
+        )
         for a, b in sorted(pairs)
     )
 

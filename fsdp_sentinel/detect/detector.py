@@ -68,13 +68,17 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         and job_step >= base * (1.0 + cfg.baseline.min_effect)
     )
 
+    flagged_net = frozenset(r for r, tr in tracks.items() if tr.cause == "network")
     net, net_memo = network.network_view_memo(
         state.net_memo,
         summary.flows,
         tuple(rs.rank for rs in present),
         median(state.srtt_hist) if state.srtt_hist else None,
         cfg.network,
-        frozenset(r for r, tr in tracks.items() if tr.cause == "network"),
+        flagged_net,
+        # Judged only when it can matter: the job is slow, or a network
+        # verdict is open (to hold or clear it).
+        judge=stretched_now or bool(flagged_net),
     )
     lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
     n_lates = len(lates_sorted)

@@ -17,7 +17,7 @@ hypothesis against every other candidate:
   that end's node.
 
 A flow is judged by the median srtt of its busy samples over the window
-(``PairFlow.srtt_med_us``), never by one sample. :func:`is_candidate` says whether the view blames a rank (a link
+(:func:`figures`), never by one sample. :func:`is_candidate` says whether the view blames a rank (a link
 is carried by its lower rank, with the other end as ``peer_rank``). Pure.
 """
 
@@ -33,7 +33,65 @@ from fsdp_sentinel.detect.config import NetworkConfig
 from fsdp_sentinel.detect.stats import median, median_sorted, rnd
 
 
-def _srtt(p: PairFlow) -> float:
+class Flow(NamedTuple):
+    """One directed pair's flow as the rule judges it (:func:`figures` of a ``PairFlow``).
+
+    ``srtt_med_us``: the median srtt of its busy samples over the window
+    (:func:`busy_median`); ``srtt_new_us``: the same over the newest poll only
+    (fresh, not robust: strong evidence only); ``cwnd``: median cwnd.
+    """
+
+    rank: int
+    peer: int
+    tx_bytes: int
+    retrans: int
+    srtt_med_us: float | None
+    srtt_new_us: float | None
+    cwnd: float | None
+
+
+def busy_median(samples: list[tuple[float, int]]) -> float:
+    """The median srtt of ``(srtt_us, tx_bytes)`` samples (not empty), over the busy ones:
+    those that sent at least a quarter of the pair's mean a sample (an idle
+    socket's srtt is stale). An even count averages the middle two, so the
+    figure never depends on which of two samples carried a few more bytes."""
+    floor = 0.25 * sum(w for _, w in samples) / len(samples)
+    busy = sorted(v for v, w in samples if w >= floor)
+    n = len(busy)
+    mid = n // 2
+    return busy[mid] if n % 2 else (busy[mid - 1] + busy[mid]) / 2.0
+
+
+def figures(p: PairFlow) -> Flow:
+    """The medians of ``p``'s window samples (computed only when the rule needs them)."""
+    weighted: list[tuple[float, int]] = []
+    newest: list[tuple[float, int]] = []
+    cwnds: list[float] = []
+    if p.samples:
+        last = p.samples[-1]
+        since = last[0] - 0.5 * last[1]  # the newest poll's samples
+        for st, _dt, stx, _rx, srtt, _re, cwnd in p.samples:
+            if srtt is not None:
+                w = stx if stx > 0 else 1
+                weighted.append((srtt, w))
+                if st >= since:
+                    newest.append((srtt, w))
+            if cwnd is not None:
+                cwnds.append(cwnd)
+    elif p.srtt_us is not None:  # a matrix made by hand: its srtt is all there is
+        weighted = newest = [(p.srtt_us, max(p.tx_bytes, 1))]
+    return Flow(
+        p.rank,
+        p.peer,
+        p.tx_bytes,
+        p.retrans,
+        busy_median(weighted) if weighted else None,
+        busy_median(newest) if newest else None,
+        median(cwnds) if cwnds else None,
+    )
+
+
+def _srtt(p: Flow) -> float:
     return p.srtt_med_us or 0.0
 
 
@@ -49,7 +107,7 @@ class NetView(NamedTuple):
 
     ratio: dict[int, float]
     share: dict[int, float]
-    touching: dict[int, list[PairFlow]]  # rank -> the active flows it sends or receives
+    touching: dict[int, list[Flow]]  # rank -> the active flows it sends or receives
     touching_us: dict[int, float]
     others_us: dict[int, float]
     ambiguous: bool
@@ -88,7 +146,7 @@ def binomial_tail(k: int, n: int, p: float) -> float:
     return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in terms))
 
 
-def _others_median(everyone: list[float], mine: list[PairFlow]) -> float | None:
+def _others_median(everyone: list[float], mine: list[Flow]) -> float | None:
     """Median srtt of every active flow but ``mine`` (None when none is left)."""
     if len(mine) >= len(everyone):
         return None
@@ -105,7 +163,11 @@ def network_view(
     cfg: NetworkConfig,
     flagged: frozenset[int] = frozenset(),
 ) -> NetView:
-    active = [p for p in flows if p.srtt_med_us is not None and p.tx_bytes >= cfg.net_min_bytes]
+    active = [
+        f
+        for f in map(figures, (p for p in flows if p.tx_bytes >= cfg.net_min_bytes))
+        if f.srtt_med_us is not None
+    ]
     ratio: dict[int, float] = {}
     touching_us: dict[int, float] = {}
     others_us: dict[int, float] = {}
@@ -113,8 +175,8 @@ def network_view(
     uses_base = False
     unlocalised: list[int] = []
     everyone: list[float] = sorted(map(_srtt, active))
-    touching: dict[int, list[PairFlow]] = {}
-    between: dict[tuple[int, int], list[PairFlow]] = {}
+    touching: dict[int, list[Flow]] = {}
+    between: dict[tuple[int, int], list[Flow]] = {}
     for p in active:
         touching.setdefault(p.rank, []).append(p)
         if p.peer != p.rank:
@@ -188,7 +250,7 @@ def network_view(
         touching_us=touching_us,
         others_us=others_us,
         ambiguous=ambiguous,
-        all_median_us=median_sorted(everyone) if everyone else None,
+        all_median_us=job_srtt(flows, cfg),
         total_retrans=total_retrans,
         node=node,
         links=links,
@@ -198,8 +260,8 @@ def network_view(
 
 
 def _slow_links(
-    between: dict[tuple[int, int], list[PairFlow]],
-    touching: dict[int, list[PairFlow]],
+    between: dict[tuple[int, int], list[Flow]],
+    touching: dict[int, list[Flow]],
     flagged: frozenset[int],
     node: dict[int, str],
     links: dict[int, tuple[int, str, float]],
@@ -253,7 +315,7 @@ def _slow_links(
 def _retransmits(
     flows: tuple[PairFlow, ...],
     ranks: Sequence[int],
-    between: dict[tuple[int, int], list[PairFlow]],
+    between: dict[tuple[int, int], list[Flow]],
     node: dict[int, str],
     links: dict[int, tuple[int, str, float]],
     suppressed: frozenset[int],
@@ -303,8 +365,23 @@ def _retransmits(
     return share, total
 
 
-def _neighbours(between: dict[tuple[int, int], list[PairFlow]], r: int) -> list[int]:
+def _neighbours(between: dict[tuple[int, int], list[Flow]], r: int) -> list[int]:
     return [b if a == r else a for a, b in between if r in (a, b)]
+
+
+def job_srtt(flows: tuple[PairFlow, ...], cfg: NetworkConfig) -> float | None:
+    """The median byte-weighted srtt of the active flows: the job's srtt, whose history
+    (in unstretched steps) is the reference when every flow touches a rank."""
+    srtts = sorted(
+        p.srtt_us for p in flows if p.srtt_us is not None and p.tx_bytes >= cfg.net_min_bytes
+    )
+    return median_sorted(srtts) if srtts else None
+
+
+def quiet_view(flows: tuple[PairFlow, ...], cfg: NetworkConfig) -> NetView:
+    """The view of a step the rule need not judge (the job is not stretched and no rank
+    is flagged ``network``): the job's srtt only, none of the medians."""
+    return NetView({}, {}, {}, {}, {}, False, job_srtt(flows, cfg), 0, {}, {})
 
 
 def network_view_memo(
@@ -314,14 +391,16 @@ def network_view_memo(
     srtt_base: float | None,
     cfg: NetworkConfig,
     flagged: frozenset[int],
+    judge: bool = True,
 ) -> tuple[NetView, tuple[Any, ...]]:
-    """:func:`network_view`, or the view kept in ``memo`` when its inputs are equal."""
-    key = (flows, ranks, flagged, cfg)
+    """:func:`network_view` (or, unless ``judge``, :func:`quiet_view`), or the view kept
+    in ``memo`` when its inputs are equal."""
+    key = (flows, ranks, flagged, cfg, judge)
     if memo and memo[0] == key:
         view: NetView = memo[2]
         if not view.uses_base or memo[1] == srtt_base:
             return view, memo
-    view = network_view(flows, ranks, srtt_base, cfg, flagged)
+    view = network_view(flows, ranks, srtt_base, cfg, flagged) if judge else quiet_view(flows, cfg)
     return view, (key, srtt_base, view)
 
 
@@ -335,7 +414,7 @@ def is_candidate(rank: int, net: NetView, held: bool, cfg: NetworkConfig) -> boo
     return held and net.ratio.get(rank, 0.0) >= cfg.net_hold_ratio
 
 
-def _flow(p: PairFlow) -> dict[str, Any]:
+def _flow(p: Flow) -> dict[str, Any]:
     return {
         "from": p.rank,
         "to": p.peer,
