@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from fsdp_sentinel.correlate import PairFlow, RankStep
@@ -95,6 +95,10 @@ def _srtt(p: Flow) -> float:
     return p.srtt_med_us or 0.0
 
 
+def _newest(p: Flow) -> float:
+    return p.srtt_new_us or p.srtt_med_us or 0.0
+
+
 class NetView(NamedTuple):
     """Network scores of every rank, and the node and link hypotheses that pass, from one
     flow matrix.
@@ -146,13 +150,17 @@ def binomial_tail(k: int, n: int, p: float) -> float:
     return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in terms))
 
 
-def _others_median(everyone: list[float], mine: list[Flow]) -> float | None:
-    """Median srtt of every active flow but ``mine`` (None when none is left)."""
+def _others_median(
+    everyone: list[float], mine: list[Flow], key: Callable[[Flow], float] | None = None
+) -> float | None:
+    """Median srtt (``key``: of which figure) of every active flow but ``mine``, from
+    ``everyone``'s sorted figures (None when none is left)."""
     if len(mine) >= len(everyone):
         return None
+    get = key or _srtt
     rest = everyone.copy()
     for p in mine:
-        del rest[bisect_left(rest, _srtt(p))]
+        del rest[bisect_left(rest, get(p))]
     return median_sorted(rest)
 
 
@@ -187,14 +195,20 @@ def network_view(
     link_us = {k: median(list(map(_srtt, v))) for k, v in between.items()}
     # The same from the newest poll alone: fresh but not robust, so it counts
     # only as strong evidence (``net_fast_ratio``), found a few samples sooner.
-    link_new = {k: median([p.srtt_new_us or _srtt(p) for p in v]) for k, v in between.items()}
+    link_new = {k: median(list(map(_newest, v))) for k, v in between.items()}
+    newest: list[float] = sorted(map(_newest, active))
+    links_of: dict[int, list[tuple[int, int]]] = {}
+    for k in between:
+        links_of.setdefault(k[0], []).append(k)
+        links_of.setdefault(k[1], []).append(k)
     fast: dict[int, float] = {}
     for r in ranks:
         touch = touching.get(r)
         if not touch:
             continue
-        t_low = min(x for (a, b), x in link_us.items() if r in (a, b))
-        t_new = min(x for (a, b), x in link_new.items() if r in (a, b))
+        mine_links = links_of[r]
+        t_low = min(link_us[k] for k in mine_links)
+        t_new = min(link_new[k] for k in mine_links)
         touching_us[r] = t_low
         o_med = _others_median(everyone, touch)
         if o_med is None:
@@ -207,11 +221,8 @@ def network_view(
         others_us[r] = o_med
         ratio[r] = t_low / o_med if o_med > 0 else 1.0
         # ... against the others' newest too: a fabric-wide change moves all at once.
-        o_new = (
-            median([p.srtt_new_us or _srtt(p) for p in active if r not in (p.rank, p.peer)])
-            if len(touch) < len(active)
-            else o_med
-        )
+        o_new = _others_median(newest, touch, _newest) if len(touch) < len(active) else o_med
+        o_new = o_med if o_new is None else o_new
         fast[r] = t_new / o_new if o_new > 0 else 1.0
     # Ranks whose every flow touches them all see the same flows (two ranks):
     # name one, the one whose own sockets are slowest, and say it is a guess.
@@ -235,8 +246,8 @@ def network_view(
     # scores higher (or is flagged already and still scores higher) shares its
     # slow link with the culprit, and is the culprit's neighbour.
     for r in sorted(node):
-        for k in _neighbours(between, r):
-            if k != r and (k in node or k in flagged) and ratio.get(k, 0.0) > ratio[r]:
+        for n in _neighbours(between, r):
+            if n != r and (n in node or n in flagged) and ratio.get(n, 0.0) > ratio[r]:
                 del node[r]
                 break
     links: dict[int, tuple[int, str, float]] = {}
@@ -281,20 +292,21 @@ def _slow_links(
         # Both directions slow, against every other flow (for a link, each
         # end's other flows are as normal as the rest). With no flow touching
         # neither end (3 ranks), host or link cannot be told.
-        others = [p for p in everyone_active if p not in mine]
+        ids = {id(p) for p in mine}
+        others = [p for p in everyone_active if id(p) not in ids]
         if not any(a not in (p.rank, p.peer) and b not in (p.rank, p.peer) for p in others):
             continue
         o_med = median(list(map(_srtt, others)))
-        o_new = median([p.srtt_new_us or _srtt(p) for p in others])
+        o_new = median(list(map(_newest, others)))
         low = min(map(_srtt, mine))
-        low_new = min(p.srtt_new_us or _srtt(p) for p in mine)
+        low_new = min(map(_newest, mine))
         if not o_med or (low < cfg.net_ratio * o_med and low_new < cfg.net_fast_ratio * o_new):
             continue
         # Each end's other flows must look normal: a host that is only mildly
         # slow is slow on all its links, one of which may pass alone.
         clean = True
         for end in (a, b):
-            rest = [_srtt(p) for p in touching[end] if p not in mine]
+            rest = [_srtt(p) for p in touching[end] if id(p) not in ids]
             if not rest or median(rest) > cfg.link_clean_ratio * o_med:
                 clean = False  # no other flow, or slow ones: a host, not a link
         if clean:
