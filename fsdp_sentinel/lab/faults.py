@@ -114,9 +114,10 @@ class SlowPath:
                 cmds = [
                     [*tc, "qdisc", "add", *dev, *parent, "handle", self.HANDLE, "htb", "default", "1"],
                     [*tc, "class", "add", *dev, "parent", self.HANDLE, "classid", "10:1",
-                     "htb", "rate", f"{base}mbit", "ceil", f"{base}mbit"],
+                     "htb", "rate", f"{base}mbit", "ceil", f"{base}mbit", "quantum", "60000"],
                     [*tc, "class", "add", *dev, "parent", self.HANDLE, "classid", "10:2",
-                     "htb", "rate", f"{self.rate_mbit}mbit", "ceil", f"{self.rate_mbit}mbit"],
+                     "htb", "rate", f"{self.rate_mbit}mbit", "ceil", f"{self.rate_mbit}mbit",
+                     "quantum", "60000"],
                     [*tc, "filter", "add", *dev, "parent", self.HANDLE, "protocol", "ip",
                      "prio", "1", "u32", "match", "ip", "dst", f"{dst.addr}/32", "flowid", "10:2"],
                 ]  # fmt: skip
@@ -139,19 +140,29 @@ class SlowPath:
         return params, done
 
     def undo(self, lab: Lab, state: Any) -> None:
-        """Remove the HTB from each end (the tbf's own queue takes over again)."""
+        """Take the HTB off each end: under a tbf, the tbf's own inner queue goes back
+        in its place (deleting it would leave ``noop``, which drops everything);
+        at the root, deleting it restores the default qdisc."""
         for netns, ifname, parent in state:
-            where = ["parent", parent] if parent != "root" else ["root"]
+            if parent != "root":
+                try:
+                    lab.restore_tbf_queue((netns, ifname))
+                except subprocess.CalledProcessError as e:
+                    if not _gone(e.stderr):
+                        raise LabError(f"tc on {netns}/{ifname}: {e.stderr.strip()}") from e
+                continue
             res = subprocess.run(
-                ["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", ifname, *where,
-                 "handle", self.HANDLE],
+                ["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", ifname, "root"],
                 capture_output=True, text=True,
             )  # fmt: skip
-            # Gone already (the lab torn down first) is fine; anything else is not.
-            if res.returncode and not any(
-                w in res.stderr for w in ("No such", "Cannot find", "Invalid handle")
-            ):
+            if res.returncode and not _gone(res.stderr):
                 raise LabError(f"tc qdisc del on {netns}/{ifname}: {res.stderr.strip()}")
+
+
+def _gone(stderr: str) -> bool:
+    """tc's words for a namespace, link or qdisc that is gone already (the lab torn
+    down first): fine to find on cleanup, nothing else is."""
+    return any(w in stderr for w in ("No such", "Cannot find", "Invalid handle", "Cannot open"))
 
 
 class _Procs:
