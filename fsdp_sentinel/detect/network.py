@@ -278,39 +278,41 @@ def _slow_links(
     links: dict[int, tuple[int, str, float]],
     cfg: NetworkConfig,
 ) -> None:
-    """Links whose flows are slow while each end's other flows are normal (into ``links``);
-    slow links sharing one end make that end a node (into ``node``)."""
+    """Links that stand out against every other candidate (into ``links``): their flows,
+    both directions, slower than the rest of the job *and* than each end's
+    other flows; a node candidate that such a link explains is not a node.
+    Slow links sharing one end make that end a node (into ``node``)."""
     slow: list[tuple[int, int, float]] = []
     everyone_active = [p for v in between.values() for p in v]
     for (a, b), mine in between.items():
         if len({(p.rank, p.peer) for p in mine}) < 2:
             continue  # data one way only: one flow is too little to blame a cable
-        if a in node or b in node or b in flagged:
-            # A slow host's links are slow because of the host (one flagged
-            # already: ``b``, the end that does not carry the link's verdict).
+        if b in flagged and a not in flagged:
+            # ``b`` (the end that does not carry a link verdict) is flagged as
+            # a host already: the verdict stays put.
             continue
-        # Both directions slow, against every other flow (for a link, each
-        # end's other flows are as normal as the rest). With no flow touching
-        # neither end (3 ranks), host or link cannot be told.
         ids = {id(p) for p in mine}
         others = [p for p in everyone_active if id(p) not in ids]
-        if not any(a not in (p.rank, p.peer) and b not in (p.rank, p.peer) for p in others):
-            continue
-        o_med = median(list(map(_srtt, others)))
-        o_new = median(list(map(_newest, others)))
+        rests = [[p for p in touching[end] if id(p) not in ids] for end in (a, b)]
+        if not others or not all(rests):
+            continue  # an end with no other flow: host or link cannot be told
         low = min(map(_srtt, mine))
         low_new = min(map(_newest, mine))
-        if not o_med or (low < cfg.net_ratio * o_med and low_new < cfg.net_fast_ratio * o_new):
+        # Against the whole job, and against each end's own other flows: a
+        # host that is slow on all its links (even mildly) is no link's.
+        # The ends are judged on the window's medians always (one poll's
+        # sample of a host's other link can dip); the newest poll counts only
+        # for the whole-job comparison, as strong evidence.
+        ends_ok = all(low >= cfg.net_ratio * median(list(map(_srtt, r))) for r in rests)
+        if not ends_ok:
             continue
-        # Each end's other flows must look normal: a host that is only mildly
-        # slow is slow on all its links, one of which may pass alone.
-        clean = True
-        for end in (a, b):
-            rest = [_srtt(p) for p in touching[end] if id(p) not in ids]
-            if not rest or median(rest) > cfg.link_clean_ratio * o_med:
-                clean = False  # no other flow, or slow ones: a host, not a link
-        if clean:
-            slow.append((a, b, max(low / o_med, low_new / o_new)))
+        by_median = low >= cfg.net_ratio * median(list(map(_srtt, others)))
+        by_newest = low_new >= cfg.net_fast_ratio * median(list(map(_newest, others))) and all(
+            low_new >= cfg.net_ratio * median(list(map(_newest, r))) for r in rests
+        )
+        if by_median or by_newest:
+            worst_end = max(median(list(map(_srtt, r))) for r in rests)
+            slow.append((a, b, low / worst_end if worst_end > 0 else 1.0))
     ends: dict[int, int] = {}
     for a, b, _ in slow:
         ends[a] = ends.get(a, 0) + 1
@@ -320,8 +322,12 @@ def _slow_links(
         (r,) = shared
         node[r] = "srtt"
     for a, b, score in slow:
-        if a not in node and b not in node:
-            links[a] = (b, "srtt", score)
+        if shared & {a, b}:
+            continue
+        # The link explains its ends' slow flows: neither end is a host to blame.
+        node.pop(a, None)
+        node.pop(b, None)
+        links[a] = (b, "srtt", score)
 
 
 def _retransmits(
