@@ -116,10 +116,6 @@ class NetworkConfig(_Checked):
     """A rank flagged ``network`` stays so while its score holds this much
     (hysteresis)."""
 
-    link_clean_ratio: float = 1.25
-    """A link is blamed (not a host) only while each end's other flows stay
-    under this ratio."""
-
     net_min_bytes: int = 65536
     """Bytes a pair must send in the flow window to count."""
 
