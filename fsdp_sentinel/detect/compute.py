@@ -118,15 +118,21 @@ def score(
             rel_trend = push(rel_trend, rel_now, tw)
         # The level must clear the machine's own noise too: half the bar
         # (the bar is noise_k single-step deviations; a 20-step line's level
-        # spreads about half of one).
-        level = max(c.trend_level, c.trend_bar_share * bar)
+        # spreads about half of one). Cheapest tests first: most ranks of
+        # most steps stop at the first.
         if (
             not slow
             and relative is not None
+            and relative >= c.trend_level
+            and relative >= c.trend_bar_share * bar
             and len(rel_trend) >= tw
-            and relative >= level
-            and (not sw or len(rel_long) < sw or median(rel_long) >= level)
+            and (
+                not sw
+                or len(rel_long) < sw
+                or median(rel_long) >= max(c.trend_level, c.trend_bar_share * bar)
+            )
         ):
+            level = max(c.trend_level, c.trend_bar_share * bar)
             fit = trend(rel_trend)
             if (
                 fit[0] * 100.0 >= c.trend_slope
