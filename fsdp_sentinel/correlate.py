@@ -13,7 +13,8 @@ The :class:`Correlator` keeps just enough state to answer three questions:
   cancel: the last rank to arrive waits least, and its lateness at one
   collective is ``max wait in the group - its own wait``;
 * per pair of ranks (:class:`PairFlow`), over the latest ``flow_window_s``
-  seconds of ``flow`` records: bytes, byte-weighted srtt and retransmits; and
+  seconds of ``flow`` records (the pipeline sizes it in steps): bytes,
+  byte-weighted srtt, retransmits and the samples themselves; and
   per rank (:class:`RankLiveness`) when it was last heard from and whether its
   connections were torn down.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import reduce
 from itertools import islice
 from operator import add, gt, itemgetter, le, sub
@@ -75,7 +76,9 @@ class RankStep(NamedTuple):
 class PairFlow(NamedTuple):
     """Traffic ``rank`` -> ``peer`` as ``rank``'s sockets saw it over ``dt`` seconds.
 
-    ``srtt_us`` is weighted by bytes sent (None when no flow reported one).
+    ``srtt_us`` is weighted by bytes sent (None when no flow reported one);
+    ``samples`` are the window's own samples, for figures only some steps need
+    (the network rule's medians, ``detect.network.figures``).
     """
 
     rank: int
@@ -85,6 +88,9 @@ class PairFlow(NamedTuple):
     dt: float
     srtt_us: float | None
     retrans: int
+    # The window's samples, ``(t, dt, tx, rx, srtt_us, retrans, cwnd)``: the
+    # network rule takes its medians from them, only when it needs them.
+    samples: tuple[tuple[Any, ...], ...] = ()
 
 
 class RankLiveness(NamedTuple):
@@ -170,6 +176,20 @@ class Summary(NamedTuple):
     job_done: int
     mid_step: bool
     stall: Stall = _NO_STALL
+
+
+def weighted_srtt(samples: Iterable[tuple[float | None, int]]) -> float | None:
+    """The srtt of several ``(srtt_us, tx_bytes)`` samples, weighted by bytes sent (a sample
+    that sent nothing weighs as one byte); None when none has an srtt. The flow
+    matrix weighs its window's samples the same way (inline there: it runs per step)."""
+    wsum = 0.0
+    wbytes = 0
+    for srtt, tx in samples:
+        if srtt is not None:
+            w = tx if tx > 0 else 1
+            wsum += srtt * w
+            wbytes += w
+    return (wsum / wbytes) if wbytes else None
 
 
 class _Rank:
@@ -303,8 +323,8 @@ class _Pair:
     )
 
     def __init__(self) -> None:
-        # (t, dt, tx, rx, srtt_us or None, retrans)
-        self.samples: deque[tuple[float, float, int, int, float | None, int]] = deque()
+        # (t, dt, tx, rx, srtt_us or None, retrans, cwnd or None)
+        self.samples: deque[tuple[float, float, int, int, float | None, int, Any]] = deque()
         self.tx_total = 0
         self.rx_total = 0
         self.retrans_total = 0
@@ -417,6 +437,7 @@ class Correlator:
 
     def __init__(self, flow_window_s: float = 3.0) -> None:
         self.flow_window_s = flow_window_s
+        self.flow_dt: float | None = None  # the probes' interval: the latest flow sample's dt
         self.ranks: dict[int, _Rank] = {}
         self.world_size: int | None = None
         self.pairs: dict[tuple[int, int], _Pair] = {}
@@ -611,12 +632,13 @@ class Correlator:
             h[0] = t
             h[1] = rec[_DT]
 
-    def add_flow(self, rec: Record) -> None:
+    def add_flow(self, rec: Record) -> tuple[int, int] | None:
+        """File one flow sample; return the ``(rank, peer)`` it was attributed to, or None."""
         self.heard_host(rec)
         hit = self._attribute(rec)
         if hit is None:
             self.unattributed_flows += 1
-            return
+            return None
         pair = self.pairs.get(hit)
         if pair is None:
             pair = self.pairs[hit] = _Pair()
@@ -628,7 +650,8 @@ class Correlator:
         retrans = int(rec.get("retrans") or 0)
         t = float(rec["t"])
         samples = pair.samples
-        samples.append((t, dt, tx, rx, srtt, retrans))
+        samples.append((t, dt, tx, rx, srtt, retrans, rec.get("cwnd")))
+        self.flow_dt = dt
         pair.view = None
         self._matrix = None
         # Keep memory flat when no step ever completes (probes, no trainer).
@@ -642,6 +665,7 @@ class Correlator:
         if dt > 0:
             pair.tx_rate = tx / dt
             pair.rx_rate = rx / dt
+        return hit
 
     def add_conn(self, rec: Record) -> None:
         host = rec["host"]
@@ -926,7 +950,7 @@ class Correlator:
             dt = 0.0
             wsum = 0.0
             wbytes = 0
-            for _t, sdt, stx, srx, srtt, sre in samples:
+            for _t, sdt, stx, srx, srtt, sre, _cwnd in samples:
                 tx += stx
                 rx += srx
                 dt += sdt
@@ -936,7 +960,14 @@ class Correlator:
                     wsum += srtt * w
                     wbytes += w
             view = pair.view = PairFlow(
-                key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans
+                key[0],
+                key[1],
+                tx,
+                rx,
+                dt,
+                (wsum / wbytes) if wbytes else None,
+                retrans,
+                tuple(samples),
             )
             out.append(view)
         self._matrix = matrix = tuple(out)

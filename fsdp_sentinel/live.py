@@ -73,8 +73,17 @@ def _row(r: RankView) -> list[str]:
         _num(None if r.srtt_us is None else r.srtt_us / 1000, ".2f"),
         str(r.retrans_total),
         r.state,
-        r.cause or "",
+        _cause(r),
     ]
+
+
+def _cause(r: RankView) -> str:
+    """The open verdict's cause; a network one says where: ``link>2`` (the path to rank
+    2: check the cable) or ``node`` (the host)."""
+    if r.cause != "network" or r.scope is None:
+        return r.cause or ""
+    where = f"link>{r.peer_rank}" if r.scope == "link" else "node"
+    return f"net {where}"
 
 
 _COLUMNS = (

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from fsdp_sentinel.correlate import Correlator
+from fsdp_sentinel.correlate import Correlator, RankStep
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
+from fsdp_sentinel.detect.network import window_s as evidence_window_s
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
 from fsdp_sentinel.trace import KEY
 
@@ -43,6 +44,19 @@ PASSIVE_KINDS = frozenset({"header", "verdict", "action", "fault"})
 _NOTHING: tuple[Record, ...] = ()
 
 
+class Observer(Protocol):
+    """What a consumer that draws the pipeline's own figures (the HTML report) is told.
+
+    ``on_step``: a step summarised, with each rank's figures exactly as the
+    detector judged them; ``on_flow``: a flow sample and the ``(rank, peer)``
+    pair the correlator filed it under.
+    """
+
+    def on_step(self, step: int, ranks: tuple[RankStep, ...]) -> None: ...
+
+    def on_flow(self, rec: Record, pair: tuple[int, int]) -> None: ...
+
+
 class Pipeline:
     """Correlate + detect over a record stream (see the module docstring).
 
@@ -52,8 +66,14 @@ class Pipeline:
     ``verdicts`` emitted.
     """
 
-    def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
+    def __init__(
+        self,
+        config: DetectConfig | None = None,
+        finalize_lag: int = 2,
+        observer: Observer | None = None,
+    ) -> None:
         self.config = config or DetectConfig()
+        self.observer = observer
         self.finalize_lag = finalize_lag
         self.corr = Correlator(flow_window_s=self.config.network.flow_window_s)
         self.state = DetectState()
@@ -206,6 +226,8 @@ class Pipeline:
                     state=state,
                     cause=verdict["cause"] if verdict else None,
                     score=verdict["score"] if verdict else None,
+                    scope=(verdict.get("evidence") or {}).get("scope") if verdict else None,
+                    peer_rank=verdict.get("peer_rank") if verdict else None,
                     coll_count_total=dict(rs.coll_count),
                     coll_bytes_total=dict(rs.coll_bytes),
                     coll_seconds_total=dict(rs.coll_seconds),
@@ -270,7 +292,9 @@ class Pipeline:
         return self._advance(self.now)
 
     def _on_flow(self, rec: Record) -> list[Record]:
-        self.corr.add_flow(rec)
+        pair = self.corr.add_flow(rec)
+        if pair is not None and self.observer is not None:
+            self.observer.on_flow(rec, pair)
         return self._on_clock(rec)
 
     def _on_conn(self, rec: Record) -> list[Record]:
@@ -326,12 +350,31 @@ class Pipeline:
         for old in [s for s in self._need if s <= step]:
             del self._need[old]
         self._steps += 1
-        return self._run(self.corr.step_summary(step, self.now))
+        summary = self.corr.step_summary(step, self.now)
+        if self.observer is not None:
+            self.observer.on_step(step, summary.ranks)
+        return self._run(summary)
+
+    def summarise_pending(self) -> None:
+        """At the end of the input, summarise for the observer every step still
+        waiting for a rank (its record lost, or the rank gone), without judging
+        them: no verdicts, no state change in the detector."""
+        for step in self.corr.pending_steps():
+            if step > self.corr.summarised:
+                summary = self.corr.step_summary(step, self.now)
+                if self.observer is not None:
+                    self.observer.on_step(step, summary.ranks)
 
     def _run(self, summary: Any) -> list[Record]:
         report = detect(summary, self.state, self.config)
         self.state = report.state
         self.last_report = report
+        if report.step is not None:
+            # Evidence windows are counted in the job's own steps (a floor in
+            # probe intervals): the same number of steps for fast and slow jobs.
+            self.corr.flow_window_s = evidence_window_s(
+                report.baseline_step_s, self.corr.flow_dt, self.config.network
+            )
         if not report.verdicts:
             return []
         out = [v.record() for v in report.verdicts]

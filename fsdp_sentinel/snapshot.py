@@ -18,7 +18,9 @@ class RankView:
     """One rank as the pipeline sees it now.
 
     ``state`` is ``"ok"``, ``"flagged"`` or ``"lost"``; ``cause`` and ``score``
-    are those of the rank's open verdict (None when it has none).
+    are those of the rank's open verdict (None when it has none); for a
+    network verdict, ``scope`` is ``"node"`` (the host) or ``"link"`` (the path
+    between the rank and ``peer_rank``).
     """
 
     rank: int
@@ -39,6 +41,8 @@ class RankView:
     state: str = "ok"
     cause: str | None = None
     score: float | None = None
+    scope: str | None = None
+    peer_rank: int | None = None
     coll_count_total: dict[str, int] = field(default_factory=dict)
     coll_bytes_total: dict[str, int] = field(default_factory=dict)
     coll_seconds_total: dict[str, float] = field(default_factory=dict)

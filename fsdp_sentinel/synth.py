@@ -48,6 +48,46 @@ class SlowNetwork:
     end: int
     srtt_factor: float = 3.5
     retrans_per_s: float = 0.0
+    # Retransmits a second on the flows sent *to* the rank (its ring
+    # neighbour's data, dropped on the way in): counted on the neighbour's socket.
+    retrans_to_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """The path between ranks ``a`` and ``b`` is slow (a bad cable, port or switch path):
+    collectives take ``factor`` x, the flows between the two, both directions,
+    ``srtt_factor`` x srtt; each end's other flows stay normal. ``retrans_per_s``
+    retransmits a second on each of the two flows."""
+
+    a: int
+    b: int
+    factor: float
+    start: int
+    end: int
+    srtt_factor: float = 3.5
+    retrans_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SlowDrift:
+    """Rank ``rank`` ages: its compute slows linearly from 1x at step ``start`` to
+    ``final`` x at step ``end``, and stays there (a throttling GPU, a failing DIMM)."""
+
+    rank: int
+    final: float
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class JobDrift:
+    """Every rank's compute slows together, linearly to ``final`` x from ``start`` to ``end``
+    (a new data phase, a fabric-wide change): nobody is to blame."""
+
+    final: float
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -128,9 +168,17 @@ class Scenario:
     daemon_clock: bool = False  # the daemon's own clock record every interval
     pending_after_s: float = 1.0  # the hooks' pending records: from then on, every second
     stall_tail_s: float = 8.0  # stream time after a stall that lasts to the end
-    close_at_end: bool = (
-        False  # a normal end: every rank closes its connections after its last step
-    )
+    # A normal end: every rank closes its connections after its last step.
+    close_at_end: bool = False
+    # Per-sample srtt noise: lognormal with this sigma (0: uniform +-10 %, the
+    # old default). The lab's own clean runs are far noisier than 0.25.
+    srtt_sigma: float = 0.0
+    # Data both ways on every ring link (gloo's rings do; the lab shows it),
+    # instead of r -> r+1 only.
+    duplex: bool = False
+    # Background retransmits a second on every data flow (Poisson), as a clean
+    # lab run shows: ~1 a second a flow.
+    retrans_bg_per_s: float = 0.0
 
 
 def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = None) -> float:
@@ -140,6 +188,28 @@ def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = No
         if isinstance(g, kind) and g.start <= step < g.end and (rank is None or g.rank == rank):
             f *= g.factor
     return f
+
+
+def _drift(x: SlowDrift | JobDrift, step: int) -> float:
+    if step < x.start:
+        return 1.0
+    if step >= x.end:
+        return x.final
+    return 1.0 + (x.final - 1.0) * (step - x.start) / (x.end - x.start)
+
+
+def compute_factor(faults: tuple[Any, ...], step: int, rank: int) -> float:
+    """How much slower ``rank`` computes in ``step`` (steps, drifts and job-wide drifts)."""
+    f = _factor(faults, SlowCompute, step, rank)
+    for x in faults:
+        if isinstance(x, SlowDrift) and x.rank == rank or isinstance(x, JobDrift):
+            f *= _drift(x, step)
+    return f
+
+
+def _net_factor(faults: tuple[Any, ...], step: int) -> float:
+    f = _factor(faults, SlowNetwork, step) * _factor(faults, FabricSlow, step)
+    return f * _factor(faults, SlowLink, step)
 
 
 def truth_of(scn: Scenario) -> dict[str, Any]:
@@ -157,6 +227,38 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
         elif isinstance(x, SlowNetwork):
             eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
             cause = "network"
+        elif isinstance(x, SlowLink):
+            eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
+            expect.append(
+                {
+                    "rank": min(x.a, x.b),
+                    "peer_rank": max(x.a, x.b),
+                    "cause": "network",
+                    "scope": "link",
+                    "onset_step": x.start,
+                    "end_step": x.end - 1,
+                    "factor": round(eff, 3),
+                    "rank_factor": x.factor,
+                }
+            )
+            continue
+        elif isinstance(x, SlowDrift):
+            # Flag it before its own slow-down reaches 1.2x: the step where it does.
+            span = x.end - x.start
+            reach = x.start + math.ceil(span * 0.2 / (x.final - 1.0)) if x.final > 1.2 else None
+            expect.append(
+                {
+                    "rank": x.rank,
+                    "cause": "compute",
+                    "onset_step": x.start,
+                    "end_step": None,
+                    "deadline_step": reach,
+                    "factor": round(1.0 + scn.compute_s * (x.final - 1.0) / base, 3),
+                    "rank_factor": x.final,
+                    "trend": True,
+                }
+            )
+            continue
         elif isinstance(x, Lost):
             expect.append(
                 {"rank": x.rank, "cause": "rank_lost", "onset_step": x.step, "end_step": x.step}
@@ -184,6 +286,7 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
                 "end_step": x.end - 1,
                 "factor": round(eff, 3),
                 "rank_factor": x.factor,
+                **({"scope": "node"} if cause == "network" else {}),
             }
         )
     return {
@@ -193,6 +296,16 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
         "steps": scn.steps,
         "stragglers": expect,
     }
+
+
+def _poisson(rnd: random.Random, lam: float) -> int:
+    """A Poisson draw (Knuth; lam is small here)."""
+    limit, k, p = math.exp(-lam), 0, 1.0
+    while True:
+        p *= rnd.random()
+        if p <= limit:
+            return k
+        k += 1
 
 
 def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
@@ -263,14 +376,14 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
     for s in range(scn.steps):
         starts = cur[:]
         step_starts.append(min(starts))
-        net = _factor(scn.faults, SlowNetwork, s) * _factor(scn.faults, FabricSlow, s)
+        net = _net_factor(scn.faults, s)
         die_at = None
         if lost is not None and s == lost.step:
             die_at = rnd.randrange(1, scn.n_coll)
         for k in range(scn.n_coll + 1):
             issue = []
             for r in range(n):
-                seg = scn.compute_s * seg_w * _factor(scn.faults, SlowCompute, s, r)
+                seg = scn.compute_s * seg_w * compute_factor(scn.faults, s, r)
                 seg *= math.exp(rnd.gauss(0.0, scn.jitter))
                 if k == 1:
                     seg += spikes.get((r, s), 0.0)
@@ -440,7 +553,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                         and lost.rank in (r, peer)
                     ) or host[r] == gone:
                         continue
-                    sending = peer == (r + 1) % n
+                    sending = scn.duplex or peer == (r + 1) % n
                     f = 1.0
                     for x in scn.faults:
                         if (
@@ -451,6 +564,12 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                             f *= x.srtt_factor
                         if isinstance(x, FabricSlow) and x.start <= s < x.end:
                             f *= x.srtt_factor
+                        if (
+                            isinstance(x, SlowLink)
+                            and x.start <= s < x.end
+                            and {r, peer} == {x.a, x.b}
+                        ):
+                            f *= x.srtt_factor
                     rate = scn.coll_bytes * scn.n_coll / (scn.compute_s + scn.n_coll * scn.xfer_s)
                     tx = (
                         int(rate * scn.interval * rnd.uniform(0.9, 1.1))
@@ -459,18 +578,30 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                     )
                     rx = (
                         int(rate * scn.interval * rnd.uniform(0.9, 1.1))
-                        if running and not sending
+                        if running and (scn.duplex or not sending)
                         else 0
                     )
                     retrans = 0
                     for x in scn.faults:
                         if (
-                            isinstance(x, SlowNetwork)
-                            and x.start <= s < x.end
-                            and x.rank == r
-                            and sending
+                            not isinstance(x, (SlowNetwork, SlowLink))
+                            or not x.start <= s < x.end
+                            or not sending
                         ):
+                            continue
+                        if isinstance(x, SlowNetwork) and x.rank == r:
                             retrans += int(x.retrans_per_s * scn.interval)
+                        if isinstance(x, SlowNetwork) and x.rank == peer:
+                            retrans += int(x.retrans_to_per_s * scn.interval)
+                        if isinstance(x, SlowLink) and {r, peer} == {x.a, x.b}:
+                            retrans += int(x.retrans_per_s * scn.interval)
+                    if scn.retrans_bg_per_s and running and sending:
+                        retrans += _poisson(rnd, scn.retrans_bg_per_s * scn.interval)
+                    noise = (
+                        math.exp(rnd.gauss(0.0, scn.srtt_sigma))
+                        if scn.srtt_sigma
+                        else rnd.uniform(0.9, 1.1)
+                    )
                     put(
                         t,
                         r,
@@ -484,7 +615,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                             "dst": ep(peer, r),
                             "tx_bytes": tx,
                             "rx_bytes": rx,
-                            "srtt_us": round(scn.srtt_us * f * rnd.uniform(0.9, 1.1), 1),
+                            "srtt_us": round(scn.srtt_us * f * noise, 1),
                             "retrans": retrans,
                             "cwnd": 10,
                         },

@@ -289,8 +289,10 @@ class TraceWriter:
 # --------------------------------------------------------------------------- reading
 
 
-def _open_lines(path: str | os.PathLike[str]) -> IO[bytes]:
+def _open_lines(path: str | os.PathLike[str], owner: Any = None) -> IO[bytes]:
     raw = open(path, "rb")  # noqa: SIM115 - returned to caller
+    if owner is not None:
+        owner._raw = raw  # its position is the reader's progress
     if not _is_zst(path):
         return raw
     import zstandard
@@ -316,6 +318,14 @@ class TraceReader:
     skipped: int = 0
     skipped_lines: list[int] = field(default_factory=list)
     lines: int = 0
+    _raw: Any = field(default=None, repr=False, compare=False)
+
+    def bytes_read(self) -> int:
+        """How far into the file (its bytes on disk) reading has got: for progress."""
+        raw = self._raw
+        if raw is None or raw.closed:
+            return os.path.getsize(self.path) if self.lines else 0
+        return int(raw.tell())
 
     def __iter__(self) -> Iterator[Record]:
         name = str(self.path)
@@ -323,7 +333,7 @@ class TraceReader:
         # Hot loop (replay is parse-bound): a C-level subset test per record.
         required = _REQUIRED_SETS
         lineno = 0
-        with _open_lines(self.path) as fh:
+        with _open_lines(self.path, self) as fh:
             try:
                 for lineno, raw in enumerate(fh, 1):  # noqa: B007 - read in finally
                     try:

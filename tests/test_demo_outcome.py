@@ -52,6 +52,7 @@ def test_every_scenario_of_the_issue_is_there_with_its_cause() -> None:
     assert list(SCENARIOS) == [
         "clean",
         "slow-link",
+        "slow-path",
         "noisy-neighbor",
         "slow-compute",
         "mild-compute",
@@ -64,6 +65,7 @@ def test_every_scenario_of_the_issue_is_there_with_its_cause() -> None:
     assert causes == {
         "clean": None,
         "slow-link": "network",
+        "slow-path": "network",
         "noisy-neighbor": "network",
         "slow-compute": "compute",
         "mild-compute": "compute",

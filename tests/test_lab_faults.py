@@ -10,6 +10,7 @@ generous bounds (the machine's 2 cores are shared), never timed asserts.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import time
@@ -30,6 +31,7 @@ from fsdp_sentinel.lab import (
     SilentNode,
     SlowCompute,
     SlowLink,
+    SlowPath,
 )
 from fsdp_sentinel.lab.cleanup import teardown
 from fsdp_sentinel.trace import validate
@@ -213,6 +215,57 @@ def test_slow_link_lowers_throughput_and_clear_restores_it(lab: Lab) -> None:
     assert statistics.median(slow) == pytest.approx(40.0 * GOODPUT, rel=0.2), wins
     assert statistics.median(after) > 0.8 * statistics.median(before), wins
     assert statistics.median(after) > 0.8 * RATE * GOODPUT, wins
+
+
+def path_rate(lab: Lab, src: int, dst: int, port: int, seconds: float = 2.5) -> float:
+    """Median payload Mbit/s of one TCP transfer src -> dst, as our receiver counts it."""
+    recv = lab.python(dst, ["-c", RECV, str(port), "0.5"], stdout=subprocess.PIPE, text=True)
+    assert recv.stdout is not None and recv.stdout.readline().strip() == "ready"
+    send = lab.python(src, ["-c", SEND, lab.hosts[dst].addr, str(port), str(seconds)])
+    assert send.wait(timeout=30) == 0
+    return statistics.median(r for _, r in windows(recv)[1:])
+
+
+def test_slow_path_slows_only_the_two_hosts_traffic_both_ways() -> None:
+    name = "fss-lp"
+    teardown(name)
+    with Lab(LabConfig(name=name, hosts=3, rate_mbit=RATE, subnet="198.18.9.0/24")) as lab:
+        for a, b in ((0, 1), (0, 2), (1, 2)):
+            lab.popen(
+                a, ["ping", "-c1", "-W2", lab.hosts[b].addr], stdout=subprocess.DEVNULL
+            ).wait()
+        fault = SlowPath(0, 40.0, peer=1)
+        on = lab.inject(fault, step=3)
+        assert_fault_record(on, "slow_path", lab, 0)
+        assert on["params"]["peer_rank"] == 1 and on["params"]["rate_mbit"] == 40.0
+        # The path 0 <-> 1 runs at the slow rate, in both directions ...
+        assert path_rate(lab, 0, 1, 7101) == pytest.approx(40.0 * GOODPUT, rel=0.2)
+        assert path_rate(lab, 1, 0, 7102) == pytest.approx(40.0 * GOODPUT, rel=0.2)
+        # ... while each end's traffic to the third host keeps the lab's rate.
+        assert path_rate(lab, 0, 2, 7103) > 0.75 * RATE * GOODPUT
+        assert path_rate(lab, 1, 2, 7104) > 0.75 * RATE * GOODPUT
+        # tc's own counters: the slow class carried the path's bytes on both ends
+        # (this iproute2 prints htb classes as text even with -j).
+        for h in (0, 1):
+            host = lab.hosts[h]
+            text = subprocess.run(
+                ["tc", "-n", host.netns, "-s", "class", "show", "dev", host.ifname],
+                check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            sent = re.search(r"class htb 10:2 .*?\n\s*Sent (\d+) bytes", text)
+            assert sent and int(sent.group(1)) > 5_000_000, text
+        off = lab.clear(fault, step=6)
+        assert validate(off) is None
+        for h in (0, 1):
+            host = lab.hosts[h]
+            kinds = [
+                q["kind"]
+                for q in sh_json("tc", "-n", host.netns, "-j", "qdisc", "show", "dev", host.ifname)
+            ]
+            # the tbf's own inner queue is back (not noop, which would drop everything)
+            assert "htb" not in kinds and "tbf" in kinds and "bfifo" in kinds, kinds
+        assert path_rate(lab, 0, 1, 7105) > 0.75 * RATE * GOODPUT
+    teardown(name)
 
 
 def test_noisy_neighbor_out_shares_the_host_link(lab: Lab) -> None:

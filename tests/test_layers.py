@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "hostinfo": 0,
     "interrupts": 0,
     "truth": 0,
+    "progress": 0,
     # sources of records
     "emit": 1,
     "probes": 1,

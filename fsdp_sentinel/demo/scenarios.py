@@ -18,6 +18,7 @@ from typing import Any
 #: The lab's fault ``what`` -> the cause a correct detector reports.
 CAUSE_OF = {
     "slow_link": "network",
+    "slow_path": "network",
     "noisy_neighbor": "network",
     "packet_loss": "network",
     "slow_compute": "compute",
@@ -61,6 +62,13 @@ def _slow_link(victim: int) -> Any:
     from fsdp_sentinel.lab import SlowLink
 
     return SlowLink(victim, rate_mbit=150.0)
+
+
+def _slow_path(victim: int) -> Any:
+    from fsdp_sentinel.lab import SlowPath
+
+    # Only the path between the victim's host and the next one in the ring.
+    return SlowPath(victim, rate_mbit=150.0)
 
 
 def _noisy_neighbor(victim: int) -> Any:
@@ -116,6 +124,12 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "slow-link", "one host's link cut from 1 Gbit/s to 150 Mbit/s", "slow_link", _slow_link
+        ),
+        Scenario(
+            "slow-path",
+            "the path between two hosts (a cable, a port) cut to 150 Mbit/s, both ways",
+            "slow_path",
+            _slow_path,
         ),
         Scenario(
             "noisy-neighbor",
@@ -194,6 +208,7 @@ QUICK_RUNS: dict[str, list[str]] = {
     "slow-link-transient": [
         "--scenario", "slow-link", "--steps", "10", "--onset", "6", "--fault-seconds", "0.3",
     ],
+    "slow-path": ["--scenario", "slow-path", "--steps", "15", "--onset", "6", "--fault-steps", "6"],
     "noisy-neighbor": [
         "--scenario", "noisy-neighbor", "--steps", "15", "--onset", "6", "--fault-steps", "6",
     ],

@@ -82,14 +82,39 @@ class ComputeConfig(_Checked):
     the bar (never under ``min_effect``): a 9-step median spreads about
     sqrt(pi / 18) of one step."""
 
+    trend_window: int = 20
+    """Steps of relative score the trend rule fits a line to (0: off)."""
+
+    trend_slope: float = 0.2
+    """Slope (relative score per 100 steps) a rank that ages must rise at."""
+
+    trend_level: float = 0.05
+    """... and the level its fitted line must have reached now (half of
+    ``min_effect``: flagged before the slow-down is large)."""
+
+    trend_bar_share: float = 0.5
+    """... and this share of the compute bar, when the machine is noisy."""
+
+    trend_concordance: float = 0.7
+    """Share of the window's pairs of steps in which the later score is the
+    higher (Kendall): 0.5 is noise, with a spread of 0.08 over 20 steps."""
+
 
 @dataclass(frozen=True)
 class NetworkConfig(_Checked):
     """``network``: the job stretched while nobody is late, on slow or lossy flows."""
 
     net_ratio: float = 1.5
-    """srtt of the flows touching a rank over srtt of flows not touching it
-    that counts as localised to it."""
+    """srtt (each flow's median over the window) of the flows touching a rank,
+    or a link, over that of the other flows that counts as localised to it."""
+
+    net_fast_ratio: float = 2.5
+    """The same ratio from the newest probe poll alone that counts at once
+    (strong evidence: found a few samples before the window's median moves)."""
+
+    net_hold_ratio: float = 1.25
+    """A rank flagged ``network`` stays so while its score holds this much
+    (hysteresis)."""
 
     net_min_bytes: int = 65536
     """Bytes a pair must send in the flow window to count."""
@@ -98,11 +123,24 @@ class NetworkConfig(_Checked):
     """Retransmits in the window before their share can localise a problem."""
 
     retrans_share: float = 0.75
-    """Share of the window's retransmits on a rank's flows that localises a
-    problem to it."""
+    """Share of the window's retransmits on a rank's (or a link's) flows that
+    localises a problem to it."""
+
+    retrans_p: float = 1e-4
+    """How unlikely that share must be by chance (binomial, each retransmit
+    landing on the rank's flows in proportion to the bytes they carry): a
+    handful of retransmits never localises anything."""
+
+    flow_window_steps: float = 4.0
+    """Flow history the matrix covers, in baseline steps."""
+
+    flow_floor_intervals: float = 3.0
+    """... but never fewer than this many probe intervals (a flow's median
+    needs samples: the probes report once an interval)."""
 
     flow_window_s: float = 3.0
-    """Seconds of flow history the matrix covers."""
+    """Seconds of flow history before the job has a baseline step (or before
+    the probes' interval is known)."""
 
 
 @dataclass(frozen=True)

@@ -67,15 +67,28 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     if job_step is not None:
         job_recent = push(job_recent, job_step, cfg.persistence.window)
     stretch = (median(job_recent) / base - 1.0) if (base and job_recent) else None
-    stretched_now = stretch is not None and stretch >= cfg.baseline.min_effect
+    # The network rule blames the job's slowness on flows: the window's
+    # stretch and this very step must both be slow (flow evidence lags the
+    # step by up to a probe interval; a fault already over is not blamed).
+    stretched_now = (
+        stretch is not None
+        and stretch >= cfg.baseline.min_effect
+        and job_step is not None
+        and base is not None
+        and job_step >= base * (1.0 + cfg.baseline.min_effect)
+    )
 
+    flagged_net = frozenset(r for r, tr in tracks.items() if tr.cause == "network")
     net, net_memo = network.network_view_memo(
         state.net_memo,
         summary.flows,
         tuple(rs.rank for rs in present),
         median(state.srtt_hist) if state.srtt_hist else None,
         cfg.network,
-        frozenset(r for r, tr in tracks.items() if tr.cause == "network"),
+        flagged_net,
+        # Judged only when it can matter: the job is slow, or a network
+        # verdict is open (to hold or clear it).
+        judge=stretched_now or bool(flagged_net),
     )
     lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
     n_lates = len(lates_sorted)
@@ -83,7 +96,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     bar = noise.bar(state.rel_noise, cfg)
     low = max(cfg.baseline.min_effect, cfg.compute.sustained_share * bar)  # sustained bar
     ref_step = job_step if job_step is not None else base
-    n_present = len(present)
     rel_seen: list[float] = []
     suspect = False
     any_candidate = False
@@ -92,9 +104,17 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         tr = tracks.get(rs.rank)
         if tr is None:
             tr = NEW_TRACK
-        rel_now, rel_hist, relative, ind_hist, individual, rel_long, slow = compute.score(
-            rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg
-        )
+        (
+            rel_now,
+            rel_hist,
+            relative,
+            ind_hist,
+            individual,
+            rel_long,
+            slow,
+            rel_trend,
+            aging,
+        ) = compute.score(rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg)
         if rel_now is not None:
             rel_seen.append(rel_now)
         if relative is not None and relative >= cfg.baseline.min_effect:
@@ -105,7 +125,9 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         candidate: str | None = None
         if warm and compute.is_candidate(slow, relative, individual, bar, cfg):
             candidate = "compute"
-        elif stretched_now and network.is_candidate(rs.rank, net, n_present, cfg.network):
+        elif stretched_now and network.is_candidate(
+            rs.rank, net, tr.cause == "network", cfg.network
+        ):
             candidate = "network"
         if candidate is not None:
             any_candidate = True
@@ -134,6 +156,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
                     ratio if ratio >= 1.5 else None,
                     rel_long if relative is not None and relative < bar else None,
                     bar,
+                    rel_trend if aging is not None or relative is not None else (),
                 )
             else:
                 score, evidence, peer = network.evidence(rs, relative, net, stretch)
@@ -179,6 +202,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             flagged_step,
             rel_long,
             compute_sorted,
+            rel_trend,
         )
         matched = rs.matched
         scores.append(

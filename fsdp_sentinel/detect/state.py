@@ -23,6 +23,7 @@ class RankTrack(NamedTuple):
     flagged_step: int | None = None
     rel_long: tuple[float, ...] = ()  # the last ``sustained_window`` relative scores
     compute_sorted: tuple[float, ...] = ()  # ``compute_hist`` in ascending order
+    rel_trend: tuple[float, ...] = ()  # the last ``trend_window`` relative scores
 
 
 NEW_TRACK = RankTrack()

@@ -18,6 +18,7 @@ from fsdp_sentinel.lab.faults import (
     SilentNode,
     SlowCompute,
     SlowLink,
+    SlowPath,
 )
 from fsdp_sentinel.lab.topology import Lab
 
@@ -34,4 +35,5 @@ __all__ = [
     "SilentNode",
     "SlowCompute",
     "SlowLink",
+    "SlowPath",
 ]

@@ -3,9 +3,9 @@
 Callers decide onset and end (a step or a time) and call ``Lab.inject(fault)``
 / ``Lab.clear(fault)``, which return the trace-v1 ``fault`` records, so a
 trace carries its own ground truth. ``what`` names (stable, used by
-detection's truth files): ``slow_link``, ``noisy_neighbor``, ``slow_compute``,
-``packet_loss``, ``rank_kill``, ``rank_hang`` (SIGSTOP), ``silent_node``
-(the switch's end of the host's link down).
+detection's truth files): ``slow_link``, ``slow_path``, ``noisy_neighbor``,
+``slow_compute``, ``packet_loss``, ``rank_kill``, ``rank_hang`` (SIGSTOP),
+``silent_node`` (the switch's end of the host's link down).
 
 Stacking: a host's link may carry a rate (tbf) and packet loss (clsact, on
 the switch's port; one packet-loss fault per host at a time) at once; a
@@ -70,6 +70,100 @@ class SlowLink:
     def undo(self, lab: Lab, state: Any) -> None:
         for end in state:
             lab.reset_rate(end)
+
+
+@dataclass(eq=False)
+class SlowPath:
+    """Only the path between the host and ``peer`` drops to ``rate_mbit``, both ways:
+    a bad cable, port or switch path between two nodes. Each end's other
+    traffic keeps the lab's rate.
+
+    On each end's egress an HTB hangs under the link's tbf (``parent 1:1``;
+    at the root on an unshaped lab) with two classes: the default at the
+    lab's rate, and the slow one, which a u32 filter on the other end's
+    address feeds. ``peer`` None: the next host in the ring (a ring
+    neighbour, so the job's traffic crosses the path).
+    """
+
+    host: HostArg
+    rate_mbit: float
+    peer: HostArg | None = None
+    what: ClassVar[str] = "slow_path"
+
+    HANDLE: ClassVar[str] = "10:"
+
+    def ends(self, lab: Lab) -> tuple[LabHost, LabHost]:
+        h = lab.host(self.host)
+        peer = self.peer if self.peer is not None else (h.index + 1) % len(lab.hosts)
+        p = lab.host(peer)
+        if p is h:
+            raise LabError("SlowPath needs two different hosts")
+        return h, p
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        if not self.rate_mbit > 0:
+            raise LabError("SlowPath rate_mbit must be > 0")
+        h, p = self.ends(lab)
+        done: list[tuple[str, str, str]] = []
+        try:
+            for src, dst in ((h, p), (p, h)):
+                end = (src.netns, src.ifname)
+                base = lab.rate(end) or 10_000.0
+                parent = ["parent", "1:1"] if lab.rate(end) else ["root"]
+                tc = ["ip", "netns", "exec", src.netns, "tc"]
+                dev = ["dev", src.ifname]
+                cmds = [
+                    [*tc, "qdisc", "add", *dev, *parent, "handle", self.HANDLE, "htb", "default", "1"],
+                    [*tc, "class", "add", *dev, "parent", self.HANDLE, "classid", "10:1",
+                     "htb", "rate", f"{base}mbit", "ceil", f"{base}mbit", "quantum", "60000"],
+                    [*tc, "class", "add", *dev, "parent", self.HANDLE, "classid", "10:2",
+                     "htb", "rate", f"{self.rate_mbit}mbit", "ceil", f"{self.rate_mbit}mbit",
+                     "quantum", "60000"],
+                    [*tc, "filter", "add", *dev, "parent", self.HANDLE, "protocol", "ip",
+                     "prio", "1", "u32", "match", "ip", "dst", f"{dst.addr}/32", "flowid", "10:2"],
+                ]  # fmt: skip
+                done.append((*end, "1:1" if lab.rate(end) else "root"))
+                for cmd in cmds:
+                    subprocess.run(cmd, check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as e:
+            self.undo(lab, done)
+            raise LabError(f"tc failed: {' '.join(e.cmd)}: {e.stderr.strip()}") from e
+        except BaseException:
+            self.undo(lab, done)
+            raise
+        params = {
+            "rate_mbit": self.rate_mbit,
+            "peer_host": p.name,
+            "peer_rank": p.index,
+            "peer_addr": p.addr,
+            "base_rate_mbit": lab.config.rate_mbit,
+        }
+        return params, done
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        """Take the HTB off each end: under a tbf, the tbf's own inner queue goes back
+        in its place (deleting it would leave ``noop``, which drops everything);
+        at the root, deleting it restores the default qdisc."""
+        for netns, ifname, parent in state:
+            if parent != "root":
+                try:
+                    lab.restore_tbf_queue((netns, ifname))
+                except subprocess.CalledProcessError as e:
+                    if not _gone(e.stderr):
+                        raise LabError(f"tc on {netns}/{ifname}: {e.stderr.strip()}") from e
+                continue
+            res = subprocess.run(
+                ["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", ifname, "root"],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if res.returncode and not _gone(res.stderr):
+                raise LabError(f"tc qdisc del on {netns}/{ifname}: {res.stderr.strip()}")
+
+
+def _gone(stderr: str) -> bool:
+    """tc's words for a namespace, link or qdisc that is gone already (the lab torn
+    down first): fine to find on cleanup, nothing else is."""
+    return any(w in stderr for w in ("No such", "Cannot find", "Invalid handle", "Cannot open"))
 
 
 class _Procs:
