@@ -13,7 +13,8 @@ The :class:`Correlator` keeps just enough state to answer three questions:
   cancel: the last rank to arrive waits least, and its lateness at one
   collective is ``max wait in the group - its own wait``;
 * per pair of ranks (:class:`PairFlow`), over the latest ``flow_window_s``
-  seconds of ``flow`` records: bytes, byte-weighted srtt and retransmits; and
+  seconds of ``flow`` records (the pipeline sizes it in steps): bytes,
+  byte-weighted srtt, retransmits and the samples themselves; and
   per rank (:class:`RankLiveness`) when it was last heard from and whether its
   connections were torn down.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import reduce
 from itertools import islice
 from operator import add, gt, itemgetter, le, sub
@@ -39,6 +40,7 @@ Record = dict[str, Any]
 # The hot paths look fields up with the parser's own key objects (an identity
 # hit in each record's dict; see trace.KEY).
 _END, _RANK, _STEP, _GROUP = KEY["end"], KEY["rank"], KEY["step"], KEY["group"]
+_T, _DT, _HOST = KEY["t"], KEY["dt"], KEY["host"]
 
 # Every field the step summary and the per-op totals read, in one lookup pass
 # per record: the per-op totals then work on these columns, so no record has
@@ -74,7 +76,9 @@ class RankStep(NamedTuple):
 class PairFlow(NamedTuple):
     """Traffic ``rank`` -> ``peer`` as ``rank``'s sockets saw it over ``dt`` seconds.
 
-    ``srtt_us`` is weighted by bytes sent (None when no flow reported one).
+    ``srtt_us`` is weighted by bytes sent (None when no flow reported one);
+    ``samples`` are the window's own samples, for figures only some steps need
+    (the network rule's medians, ``detect.network.figures``).
     """
 
     rank: int
@@ -84,6 +88,9 @@ class PairFlow(NamedTuple):
     dt: float
     srtt_us: float | None
     retrans: int
+    # The window's samples, ``(t, dt, tx, rx, srtt_us, retrans, cwnd)``: the
+    # network rule takes its medians from them, only when it needs them.
+    samples: tuple[tuple[Any, ...], ...] = ()
 
 
 class RankLiveness(NamedTuple):
@@ -97,7 +104,8 @@ class RankLiveness(NamedTuple):
     peers whose connection *it* reset (a reset its peer received from it, or one
     it sent). A process that dies leaves its kernel to reset connections with
     data in flight, while an orderly exit closes them, so this tells a killed
-    rank from the peers that exit after it.
+    rank from the peers that exit after it. ``pending_t``: its newest
+    ``pending`` record (0.0: none filed): alive, but blocked, so not silent.
     """
 
     rank: int
@@ -109,6 +117,45 @@ class RankLiveness(NamedTuple):
     torn_t: float | None
     self_closed: bool
     reset_peers: int
+    pending_t: float = 0.0
+
+
+class Pending(NamedTuple):
+    """A collective a rank still reports in flight (its newest ``pending`` record).
+
+    ``t`` is when that record was made, ``issue`` when the collective was
+    issued (both on the rank's clock); ``newest_seq`` in :class:`Stall` says
+    how far each rank got.
+    """
+
+    rank: int
+    seq: int
+    step: int
+    op: str
+    issue: float
+    t: float
+
+
+class Stall(NamedTuple):
+    """What the liveness rules (hang, silent loss) read, at time ``t``.
+
+    ``pending``: the live pending collectives, one per rank at most (its
+    oldest still in flight; a rank whose pending records stopped, or whose
+    collective completed, has none). ``newest_seq``: per rank, the newest
+    ``seq`` it was seen to issue (a ``coll`` or ``pending`` record; -1 when
+    none). ``hosts_heard``: per host, when its own probe records (``netdev``,
+    ``flow``) last arrived, and their interval (``dt``). ``retrans``: per
+    directed pair ``(rank, peer, n)``, retransmits in flow samples since the
+    oldest pending collective was issued (TCP resending into a dead link).
+    """
+
+    pending: tuple[Pending, ...] = ()
+    newest_seq: tuple[tuple[int, int], ...] = ()
+    hosts_heard: tuple[tuple[str, float, float], ...] = ()
+    retrans: tuple[tuple[int, int, int], ...] = ()
+
+
+_NO_STALL = Stall()
 
 
 class Summary(NamedTuple):
@@ -128,6 +175,21 @@ class Summary(NamedTuple):
     liveness: tuple[RankLiveness, ...]
     job_done: int
     mid_step: bool
+    stall: Stall = _NO_STALL
+
+
+def weighted_srtt(samples: Iterable[tuple[float | None, int]]) -> float | None:
+    """The srtt of several ``(srtt_us, tx_bytes)`` samples, weighted by bytes sent (a sample
+    that sent nothing weighs as one byte); None when none has an srtt. The flow
+    matrix weighs its window's samples the same way (inline there: it runs per step)."""
+    wsum = 0.0
+    wbytes = 0
+    for srtt, tx in samples:
+        if srtt is not None:
+            w = tx if tx > 0 else 1
+            wsum += srtt * w
+            wbytes += w
+    return (wsum / wbytes) if wbytes else None
 
 
 class _Rank:
@@ -153,6 +215,9 @@ class _Rank:
         "coll_seconds",
         "_op_plan",
         "bad_fields",
+        "pending",
+        "seq_done",
+        "keys_done",
     )
 
     def __init__(self, rank: int) -> None:
@@ -176,6 +241,9 @@ class _Rank:
         self.coll_seconds: dict[str, float] = {}
         self._op_plan: _OpPlan | None = None
         self.bad_fields = 0  # op or bytes fields of coll records that could not be added up
+        self.pending: dict[int, Pending] = {}  # seq -> its newest pending record
+        self.seq_done = -1  # newest seq of its summarised coll records (see keys_done)
+        self.keys_done: Sequence[Any] = ()  # the newest summarised step's collective keys
 
     def add_ops(self, cols: _Columns) -> None:
         """Add one summarised step's collectives to the per-op totals."""
@@ -255,8 +323,8 @@ class _Pair:
     )
 
     def __init__(self) -> None:
-        # (t, dt, tx, rx, srtt_us or None, retrans)
-        self.samples: deque[tuple[float, float, int, int, float | None, int]] = deque()
+        # (t, dt, tx, rx, srtt_us or None, retrans, cwnd or None)
+        self.samples: deque[tuple[float, float, int, int, float | None, int, Any]] = deque()
         self.tx_total = 0
         self.rx_total = 0
         self.retrans_total = 0
@@ -334,6 +402,16 @@ def _columns(colls: list[Record]) -> _Columns:
     return _Columns(keys, issues, ends, waits, reduce(add, waits, 0.0), ops, nbytes)
 
 
+def _top_seq(keys: Sequence[Any]) -> int:
+    """The newest ``seq`` among a step's collective keys (``seq`` or ``(group, seq)``)."""
+    try:
+        if type(keys[0]) is tuple:
+            return int(max(k[1] for k in keys))
+        return int(max(keys))
+    except (TypeError, ValueError, IndexError):
+        return -1  # an ill-typed seq: counted elsewhere, says nothing here
+
+
 def _coll_ok(rec: Record) -> bool:
     try:
         _columns([rec])
@@ -359,6 +437,7 @@ class Correlator:
 
     def __init__(self, flow_window_s: float = 3.0) -> None:
         self.flow_window_s = flow_window_s
+        self.flow_dt: float | None = None  # the probes' interval: the latest flow sample's dt
         self.ranks: dict[int, _Rank] = {}
         self.world_size: int | None = None
         self.pairs: dict[tuple[int, int], _Pair] = {}
@@ -382,6 +461,9 @@ class Correlator:
         self.late_records = 0
         self.malformed = 0  # coll records dropped at summary time for a bad field
         self.unattributed_flows = 0
+        # host -> [when its own probe records last arrived, their interval]
+        self.hosts_heard: dict[str, list[float]] = {}
+        self._pending_ranks: set[int] = set()  # ranks with pending records filed
 
     # ------------------------------------------------------------ per record
 
@@ -517,11 +599,46 @@ class Correlator:
         self._peers.setdefault(hit[1], set()).add(hit[0])
         return hit
 
-    def add_flow(self, rec: Record) -> None:
+    def add_pending(self, rec: Record) -> None:
+        """File a ``pending`` record: the rank's collective ``seq`` is still in flight.
+
+        It does not count as the rank being heard from (``last_t``): a rank
+        blocked in a collective is not carrying on, so the others' pending
+        records must not make a quiet rank look left behind.
+        """
+        rank = _as_index("rank", rec["rank"])
+        seq = _as_index("seq", rec["seq"])
+        p = Pending(
+            rank, seq, _as_index("step", rec["step"]), str(rec["op"]),
+            float(rec["issue"]), float(rec["t"]),
+        )  # fmt: skip
+        rs = self.rank_of(rank)
+        old = rs.pending.get(seq)
+        if old is None or p.t >= old.t:
+            rs.pending[seq] = p
+        self._pending_ranks.add(rank)
+
+    def heard_host(self, rec: Record) -> None:
+        """A host's own probe record (``netdev``, ``flow``) arrived: note when.
+
+        Per probe record, so kept to two lookups; a time that is not a number
+        raises TypeError here (the record counts as malformed).
+        """
+        t = rec[_T]
+        h = self.hosts_heard.get(rec[_HOST])
+        if h is None:
+            self.hosts_heard[str(rec[_HOST])] = [float(t), float(rec[_DT])]
+        elif t > h[0]:
+            h[0] = t
+            h[1] = rec[_DT]
+
+    def add_flow(self, rec: Record) -> tuple[int, int] | None:
+        """File one flow sample; return the ``(rank, peer)`` it was attributed to, or None."""
+        self.heard_host(rec)
         hit = self._attribute(rec)
         if hit is None:
             self.unattributed_flows += 1
-            return
+            return None
         pair = self.pairs.get(hit)
         if pair is None:
             pair = self.pairs[hit] = _Pair()
@@ -533,7 +650,8 @@ class Correlator:
         retrans = int(rec.get("retrans") or 0)
         t = float(rec["t"])
         samples = pair.samples
-        samples.append((t, dt, tx, rx, srtt, retrans))
+        samples.append((t, dt, tx, rx, srtt, retrans, rec.get("cwnd")))
+        self.flow_dt = dt
         pair.view = None
         self._matrix = None
         # Keep memory flat when no step ever completes (probes, no trainer).
@@ -547,6 +665,7 @@ class Correlator:
         if dt > 0:
             pair.tx_rate = tx / dt
             pair.rx_rate = rx / dt
+        return hit
 
     def add_conn(self, rec: Record) -> None:
         host = rec["host"]
@@ -587,8 +706,13 @@ class Correlator:
                 torn[b] = t
             self._peers.setdefault(a, set()).add(b)
 
+    def mark_lost(self, rank: int) -> None:
+        """The detector declared ``rank`` lost: no step waits for it from now on."""
+        self.rank_of(rank).lost = True
+
     def revive(self, rank: int) -> None:
-        """Forget torn connections of a rank that is heard from again."""
+        """A lost rank is heard from again: steps wait for it, its torn connections are forgotten."""
+        self.rank_of(rank).lost = False
         self._torn.pop(rank, None)
         self._self_closed.pop(rank, None)
         self._reset_by.pop(rank, None)
@@ -680,6 +804,9 @@ class Correlator:
                                 last += 1
                 wait = _blocked(cols)
                 rs.add_ops(cols)
+                # Its newest seq is read only when a stall is judged: keep the
+                # keys (one store per rank and step), not their maximum.
+                rs.keys_done = cols.keys
             step_s: float | None = None
             compute: float | None = None
             if srec is not None:
@@ -725,7 +852,56 @@ class Correlator:
             return _columns(good) if good else None
 
     def tick_summary(self, now: float) -> Summary:
-        return self._summary(now, None, ())
+        summary = self._summary(now, None, ())
+        # Only a rank waiting in a collective can make a stall: otherwise the
+        # rules have nothing to judge, and the view is not built.
+        if self._pending_ranks:
+            summary = summary._replace(stall=self.stall())
+        return summary
+
+    def newest_seq(self, rs: _Rank) -> int:
+        """The newest ``seq`` ``rs`` completed: summarised or still filed."""
+        if rs.keys_done:
+            rs.seq_done = max(rs.seq_done, _top_seq(rs.keys_done))
+            rs.keys_done = ()
+        top = rs.seq_done
+        for lst in rs.colls.values():
+            for c in lst:
+                seq = c.get("seq")
+                if type(seq) is int and seq > top:
+                    top = seq
+        return top
+
+    def stall(self, keep_s: float = 30.0) -> Stall:
+        """The liveness rules' view (:class:`Stall`); forgets pending records
+        of completed collectives and those older than ``keep_s`` seconds."""
+        pending: list[Pending] = []
+        newest: list[tuple[int, int]] = []
+        for rank in sorted(self.ranks):
+            rs = self.ranks[rank]
+            done = self.newest_seq(rs)
+            top = done
+            if rs.pending:
+                latest = max(p.t for p in rs.pending.values())
+                for seq in [q for q, p in rs.pending.items() if q <= done or p.t < latest - keep_s]:
+                    del rs.pending[seq]
+                if rs.pending:
+                    pending.append(rs.pending[min(rs.pending)])
+                    top = max(top, max(rs.pending))
+                else:
+                    self._pending_ranks.discard(rank)
+            newest.append((rank, top))
+        heard = tuple((h, v[0], v[1]) for h, v in sorted(self.hosts_heard.items()))
+        retrans: list[tuple[int, int, int]] = []
+        if pending:
+            since = min(p.issue for p in pending)
+            for key in sorted(self.pairs):
+                # Only samples wholly inside the stall: retransmits of the
+                # moments before it are the ordinary kind.
+                n = sum(x[5] for x in self.pairs[key].samples if x[0] - x[1] >= since)
+                if n:
+                    retrans.append((key[0], key[1], n))
+        return Stall(tuple(pending), tuple(newest), heard, tuple(retrans))
 
     # ------------------------------------------------------------ views
 
@@ -774,7 +950,7 @@ class Correlator:
             dt = 0.0
             wsum = 0.0
             wbytes = 0
-            for _t, sdt, stx, srx, srtt, sre in samples:
+            for _t, sdt, stx, srx, srtt, sre, _cwnd in samples:
                 tx += stx
                 rx += srx
                 dt += sdt
@@ -784,7 +960,14 @@ class Correlator:
                     wsum += srtt * w
                     wbytes += w
             view = pair.view = PairFlow(
-                key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans
+                key[0],
+                key[1],
+                tx,
+                rx,
+                dt,
+                (wsum / wbytes) if wbytes else None,
+                retrans,
+                tuple(samples),
             )
             out.append(view)
         self._matrix = matrix = tuple(out)
@@ -810,6 +993,7 @@ class Correlator:
                     min(torn.values()) if torn else None,
                     rank in closed,
                     len(reset_by.get(rank, ())),
+                    max(p.t for p in rs.pending.values()) if rs.pending else 0.0,
                 )
             )
         return tuple(out)

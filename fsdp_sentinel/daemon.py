@@ -176,9 +176,13 @@ class Daemon:
         probes: ProbeSource | None = None,
         remediator: Remediator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] | None = time.time,
+        host: str = "",
         proc_root: str = "/proc",
     ) -> None:
         self.config = config
+        self._wall = wall_clock
+        self.host = host
         self.pipeline = pipeline
         self.probes = probes
         self.remediator: Remediator = remediator or NullRemediator()
@@ -359,6 +363,13 @@ class Daemon:
             self._trace.write(action)
 
     def _tick(self) -> None:
+        # The daemon's own heartbeat first: the stream clock moves every
+        # interval even when no rank and no probe says anything (every rank
+        # blocked, --no-probes), so silence and hangs can be judged. It goes
+        # through _handle like any record, into the trace, so replay feeds it
+        # at the same place. ``wall_clock=None`` (tests) writes none.
+        if self._wall is not None:
+            self._handle({"kind": "clock", "t": self._wall(), "host": self.host})
         if self.probes is not None:
             recs = self._safely("probe poll", self.probes.poll) or []
             for rec in recs:
@@ -553,7 +564,7 @@ def main(args: argparse.Namespace) -> int:
         metrics_addr=args.metrics_addr,
         interval=args.interval,
     )
-    daemon = Daemon(config, pipeline=pipeline, remediator=remediator)
+    daemon = Daemon(config, pipeline=pipeline, remediator=remediator, host=host)
     previous = _install_signals(daemon)
     try:
         try:

@@ -17,6 +17,12 @@ counting meanwhile), then tries again, so it picks up a daemon that starts
 later. If the queue itself grows past ``max_pending`` records (the thread
 starved), new records are dropped and counted.
 
+Producers that must report on time rather than on an event (the hooks'
+``pending`` records for a collective still in flight) register a *ticker*
+with :meth:`Emitter.add_ticker`: the sender thread calls it before each
+drain, so the record is made and sent off the training thread, even while
+that thread is blocked.
+
 Datagrams are capped at :data:`MAX_DATAGRAM` bytes (far below Linux's AF_UNIX
 datagram limit, the socket send buffer, ~208 KiB by default); a ``coll``
 record is ~200 bytes. A bigger record is dropped and counted in ``oversize``.
@@ -85,6 +91,8 @@ class Emitter:
             self._sock.setblocking(False)
         self._writer = TraceWriter(trace_out) if trace_out else None
         self.closed = False
+        self._tickers: list[Callable[[], None]] = []
+        self.ticker_errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fsdp-sentinel-emit", daemon=True)
         self._thread.start()
@@ -97,6 +105,12 @@ class Emitter:
             self._dropped_full += 1
             return
         self._pending.append(rec)
+
+    def add_ticker(self, fn: Callable[[], None]) -> None:
+        """Have the sender thread call ``fn()`` before each drain (every
+        ``flush_interval``); what it emits goes out in that same drain. Its
+        exceptions are counted in ``ticker_errors``, never raised."""
+        self._tickers.append(fn)
 
     @property
     def dropped(self) -> int:
@@ -135,6 +149,11 @@ class Emitter:
     # ------------------------------------------------------------ internals
     def _run(self) -> None:
         while not self._stop.wait(self.flush_interval):
+            for tick in self._tickers:
+                try:
+                    tick()
+                except Exception:  # noqa: BLE001 - a ticker must not stop the sender
+                    self.ticker_errors += 1
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - the sender thread must outlive any record

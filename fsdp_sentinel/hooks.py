@@ -17,6 +17,16 @@ place in this rank's issue order (FSDP issues the same collectives in the same
 order on every rank, so ``seq`` matches across ranks). The rank announces
 itself with a ``rank`` record; ``inst.step`` emits a ``step`` record.
 
+While a collective is in flight longer than ``pending_after_s`` (default
+1 s), a ``pending`` record (``t``, ``rank``, ``step``, ``seq``, ``op``,
+``issue``) says so, then again each ``pending_every_s`` while it stays in
+flight: a rank blocked in a collective that never completes (its peer hung
+or gone) is then visible long before the NCCL/gloo timeout. These records
+are made and sent by the emitter's sender thread (a tick it runs before each
+drain), never by the training thread, which only files the collective in a
+dict at issue and takes it out at completion. A process that is stopped
+(SIGSTOP) or dead sends none, which is what names it.
+
 Completion is observed without blocking training: a synchronous CPU (gloo)
 collective has completed when the call returns; an asynchronous one is
 stamped by a callback on its ``Work``'s future; a CUDA collective by a
@@ -86,6 +96,8 @@ class Instrumentation:
         host: str,
         clock: Clock = time.time,
         owns_emitter: bool = False,
+        pending_after_s: float = 1.0,
+        pending_every_s: float = 1.0,
     ) -> None:
         self.emitter = emitter
         self.rank = rank
@@ -101,6 +113,16 @@ class Instrumentation:
         self._lock = threading.Lock()
         self._watchers: dict[str, _CudaWatcher] = {}
         self.modules: list[Any] = []
+        self.pending_after_s = pending_after_s
+        self.pending_every_s = pending_every_s
+        self.pendings = 0  # pending records emitted
+        # seq -> [its coll record, when its next pending record is due]. The
+        # training thread only sets and pops keys (each one operation under
+        # the GIL); the sender thread reads a copy (see _report_pending).
+        self._inflight: dict[int, list[Any]] = {}
+        add_ticker = getattr(emitter, "add_ticker", None)
+        if add_ticker is not None:  # an emitter without a sender thread: no pending records
+            add_ticker(self._report_pending)
 
     # ------------------------------------------------------------ public
     def step(self, step_no: int) -> _StepSpan:
@@ -195,7 +217,7 @@ class Instrumentation:
             with self._lock:
                 seq = self._seq
                 self._seq += 1
-            return {
+            rec = {
                 "kind": "coll",
                 "rank": self.rank,
                 "step": self.current_step,
@@ -206,6 +228,8 @@ class Instrumentation:
                 "issue": self.clock(),
                 "end": None,
             }
+            self._inflight[seq] = [rec, rec["issue"] + self.pending_after_s]
+            return rec
         except Exception as e:  # noqa: BLE001
             self._error(e)
             return None
@@ -229,11 +253,42 @@ class Instrumentation:
 
     def _complete(self, rec: dict[str, Any]) -> None:
         try:
+            self._inflight.pop(rec["seq"], None)
             rec["end"] = self.clock()
             self.colls += 1
             self.emitter.emit(rec)
         except Exception as e:  # noqa: BLE001
             self._error(e)
+
+    def _report_pending(self) -> None:
+        """On the sender thread: a ``pending`` record for each collective due one.
+
+        ``list(dict.values())`` copies in one C call that holds the GIL, so
+        the training thread's inserts and pops cannot change the dict under
+        it; an entry popped after the copy at worst yields one last pending
+        record just before its ``coll`` record, which readers expect anyway.
+        """
+        if not self._inflight:
+            return
+        now = self.clock()
+        for entry in list(self._inflight.values()):
+            rec, due = entry
+            if now < due:
+                continue
+            entry[1] = now + self.pending_every_s
+            self.pendings += 1
+            self._safe_emit(functools.partial(self._pending_record, rec, now))
+
+    def _pending_record(self, rec: dict[str, Any], now: float) -> dict[str, Any]:
+        return {
+            "kind": "pending",
+            "t": now,
+            "rank": self.rank,
+            "step": rec["step"],
+            "seq": rec["seq"],
+            "op": rec["op"],
+            "issue": rec["issue"],
+        }
 
 
 def _cuda_done_waiter(work: Any) -> Callable[[], None]:
@@ -346,6 +401,7 @@ def instrument(
     trace_out: str | None = None,
     rank: int | None = None,
     clock: Clock = time.time,
+    pending_after_s: float = 1.0,
 ) -> Instrumentation:
     """Time every all-gather and reduce-scatter FSDP2 issues for ``model``.
 
@@ -353,6 +409,8 @@ def instrument(
     ``FSDPModule``) and after the process group is up. Without ``emitter`` one
     is made from ``socket_path`` and ``trace_out`` (``{rank}`` replaced) and is
     closed by ``Instrumentation.close()``. Emits the ``rank`` record at once.
+    A collective in flight longer than ``pending_after_s`` gets ``pending``
+    records (see the module docstring).
     """
     import torch.distributed as dist
 
@@ -365,7 +423,13 @@ def instrument(
         path = trace_out.replace("{rank}", str(rank)) if trace_out else None
         emitter = Emitter(socket_path, path)
     inst = Instrumentation(
-        emitter, rank=rank, world_size=world_size, host=host_name(), clock=clock, owns_emitter=owns
+        emitter,
+        rank=rank,
+        world_size=world_size,
+        host=host_name(),
+        clock=clock,
+        owns_emitter=owns,
+        pending_after_s=pending_after_s,
     )
     inst.attach(model)
     inst.announce()

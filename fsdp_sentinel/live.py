@@ -69,12 +69,16 @@ def fmt_rate(bps: float | None) -> str:
 
 
 def _state(r: RankView) -> str:
-    """One word for the rank: its cause when flagged, ``lost``, else ``ok``."""
+    """One word for the rank: its cause when flagged, ``lost``, else ``ok``; a
+    network verdict says where: ``link>2`` (the path to rank 2: check the
+    cable) or ``net node`` (the host)."""
     if r.state == "lost" or r.cause == "rank_lost":
         return "lost"
-    if r.state == "flagged":
-        return r.cause or "flagged"
-    return r.state
+    if r.state != "flagged":
+        return r.state
+    if r.cause == "network" and r.scope is not None:
+        return f"link>{r.peer_rank}" if r.scope == "link" else "net node"
+    return r.cause or "flagged"
 
 
 def rank_hours(r: RankView) -> float | None:
@@ -213,16 +217,16 @@ def _row(r: RankView, with_job: bool) -> list[str]:
 #: ellipsis. Their widths and one space between add up to 80 columns.
 _COLUMNS = (
     ("rank", True, 5),
-    ("host", False, 9),
+    ("host", False, 8),
     ("step", True, 6),
     ("step s", True, 6),
     ("comp s", True, 6),
     ("wait s", True, 6),
     ("tx/s", True, 5),
     ("rx/s", True, 5),
-    ("srtt ms", True, 7),
+    ("rtt ms", True, 6),
     ("retx", True, 4),
-    ("state", False, 7),
+    ("state", False, 9),
     ("rh/h", True, 4),
 )
 _JOB_COLUMN = ("job", False, 6)

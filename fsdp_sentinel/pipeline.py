@@ -5,9 +5,11 @@ step is complete on every live rank (or a rank is already ``finalize_lag``
 steps further on) it summarises that step once and runs the pure detector on
 it. The pipeline's only clock is the record stream: "now" is the newest record
 time seen, and every ``tick_s`` of stream time it checks liveness (probe
-``netdev``/``flow`` records keep arriving every interval even while all ranks
-are blocked, which is what lets ``rank_lost`` fire). So the same records in the
-same order give byte-identical verdicts, live or in replay.
+``netdev``/``flow`` records and the daemon's own ``clock`` record keep
+arriving every interval even while all ranks are blocked, which is what lets
+``rank_lost`` and ``hang`` fire); a ``pending`` record is checked at once. So
+the same records in the same order give byte-identical verdicts, live or in
+replay.
 
 Robust to what a live stream does: records slightly out of order across
 ranks (a step is only summarised once complete), records lost (a step with a
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from fsdp_sentinel.correlate import Correlator
+from fsdp_sentinel.correlate import Correlator, RankStep
 from fsdp_sentinel.cost import straggler_cost
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
+from fsdp_sentinel.detect.network import window_s as evidence_window_s
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
 from fsdp_sentinel.trace import KEY
 
@@ -42,6 +45,19 @@ PASSIVE_KINDS = frozenset({"header", "verdict", "action", "fault"})
 _NOTHING: tuple[Record, ...] = ()
 
 
+class Observer(Protocol):
+    """What a consumer that draws the pipeline's own figures (the HTML report) is told.
+
+    ``on_step``: a step summarised, with each rank's figures exactly as the
+    detector judged them; ``on_flow``: a flow sample and the ``(rank, peer)``
+    pair the correlator filed it under.
+    """
+
+    def on_step(self, step: int, ranks: tuple[RankStep, ...]) -> None: ...
+
+    def on_flow(self, rec: Record, pair: tuple[int, int]) -> None: ...
+
+
 class Pipeline:
     """Correlate + detect over a record stream (see the module docstring).
 
@@ -51,10 +67,16 @@ class Pipeline:
     ``verdicts`` emitted.
     """
 
-    def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
+    def __init__(
+        self,
+        config: DetectConfig | None = None,
+        finalize_lag: int = 2,
+        observer: Observer | None = None,
+    ) -> None:
         self.config = config or DetectConfig()
+        self.observer = observer
         self.finalize_lag = finalize_lag
-        self.corr = Correlator(flow_window_s=self.config.flow_window_s)
+        self.corr = Correlator(flow_window_s=self.config.network.flow_window_s)
         self.state = DetectState()
         self.now = 0.0
         self.last_report: Report | None = None
@@ -75,8 +97,10 @@ class Pipeline:
             "rank": self._on_rank,
             "step": self._on_step,
             "flow": self._on_flow,
-            "netdev": self._on_clock,
+            "netdev": self._on_netdev,
             "conn": self._on_conn,
+            "pending": self._on_pending,
+            "clock": self._on_clock,
         }
 
     # ------------------------------------------------------------ public
@@ -123,7 +147,7 @@ class Pipeline:
     def set_config(self, config: DetectConfig) -> None:
         """Use new thresholds from the next summary on (history is kept)."""
         self.config = config
-        self.corr.flow_window_s = config.flow_window_s
+        self.corr.flow_window_s = config.network.flow_window_s
 
     @property
     def records_total(self) -> dict[str, int]:
@@ -204,6 +228,8 @@ class Pipeline:
                     cause=verdict["cause"] if verdict else None,
                     score=verdict["score"] if verdict else None,
                     cost=(verdict.get("evidence") or {}).get("cost") if verdict else None,
+                    scope=(verdict.get("evidence") or {}).get("scope") if verdict else None,
+                    peer_rank=verdict.get("peer_rank") if verdict else None,
                     coll_count_total=dict(rs.coll_count),
                     coll_bytes_total=dict(rs.coll_bytes),
                     coll_seconds_total=dict(rs.coll_seconds),
@@ -227,7 +253,7 @@ class Pipeline:
         if self.now < self._next_tick:
             return []
         first = self._next_tick == -math.inf
-        self._next_tick = self.now + self.config.tick_s
+        self._next_tick = self.now + self.config.lost.tick_s
         if first:
             return []
         self._ticks += 1
@@ -251,8 +277,26 @@ class Pipeline:
     def _on_clock(self, rec: Record) -> list[Record]:
         return self._clock_to(rec["t"])
 
+    def _on_netdev(self, rec: Record) -> list[Record]:
+        self.corr.heard_host(rec)
+        return self._clock_to(rec["t"])
+
+    def _on_pending(self, rec: Record) -> list[Record]:
+        # Checked at once rather than at the next tick: the record that shows
+        # a collective stalled long enough names the rank missing from it,
+        # half a tick sooner (pending records are few, one a second a rank).
+        self.corr.add_pending(rec)
+        t = float(rec["t"])
+        if t > self.now:
+            self.now = t
+        if self._next_tick != -math.inf:
+            self._next_tick = self.now
+        return self._advance(self.now)
+
     def _on_flow(self, rec: Record) -> list[Record]:
-        self.corr.add_flow(rec)
+        pair = self.corr.add_flow(rec)
+        if pair is not None and self.observer is not None:
+            self.observer.on_flow(rec, pair)
         return self._on_clock(rec)
 
     def _on_conn(self, rec: Record) -> list[Record]:
@@ -308,7 +352,20 @@ class Pipeline:
         for old in [s for s in self._need if s <= step]:
             del self._need[old]
         self._steps += 1
-        return self._run(self.corr.step_summary(step, self.now))
+        summary = self.corr.step_summary(step, self.now)
+        if self.observer is not None:
+            self.observer.on_step(step, summary.ranks)
+        return self._run(summary)
+
+    def summarise_pending(self) -> None:
+        """At the end of the input, summarise for the observer every step still
+        waiting for a rank (its record lost, or the rank gone), without judging
+        them: no verdicts, no state change in the detector."""
+        for step in self.corr.pending_steps():
+            if step > self.corr.summarised:
+                summary = self.corr.step_summary(step, self.now)
+                if self.observer is not None:
+                    self.observer.on_step(step, summary.ranks)
 
     def _price(self, verdict: Record, report: Report) -> None:
         """Add ``evidence.cost`` (``fsdp_sentinel.cost``) to a flagged verdict."""
@@ -325,24 +382,28 @@ class Pipeline:
         report = detect(summary, self.state, self.config)
         self.state = report.state
         self.last_report = report
+        if report.step is not None:
+            # Evidence windows are counted in the job's own steps (a floor in
+            # probe intervals): the same number of steps for fast and slow jobs.
+            self.corr.flow_window_s = evidence_window_s(
+                report.baseline_step_s, self.corr.flow_dt, self.config.network
+            )
         if not report.verdicts:
             return []
-        out = list(report.verdicts)
+        out = [v.record() for v in report.verdicts]
         for v in out:
             rank = v["rank"]
-            rs = self.corr.rank_of(rank)
             if v["state"] == "flagged":
                 self._price(v, report)
                 self.open[rank] = v
                 if v["cause"] == "rank_lost":
-                    rs.lost = True
+                    self.corr.mark_lost(rank)
                     self._lost_epoch += 1
             else:
                 self.open.pop(rank, None)
                 if v["cause"] == "rank_lost":
-                    rs.lost = False
-                    self._lost_epoch += 1
                     self.corr.revive(rank)
+                    self._lost_epoch += 1
             self._verdicts += 1
             if v["state"] == "flagged":
                 self.verdicts_total[v["cause"]] = self.verdicts_total.get(v["cause"], 0) + 1

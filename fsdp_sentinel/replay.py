@@ -4,21 +4,24 @@ Merges one or more trace files (one per rank or per host; ``.zst`` or plain)
 by record time, feeds them to the very :class:`~fsdp_sentinel.pipeline.Pipeline`
 the live daemon runs, and prints a summary of the verdicts. ``verdict`` and
 ``action`` records already in the input are skipped, so replaying a live
-capture gives back the verdicts the daemon recorded in it.
+capture gives back the verdicts the daemon recorded in it. On a terminal, an
+input of a few MB or more shows a progress line on stderr (records/s, ETA).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from fsdp_sentinel import trace
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.progress import ProgressLine, counted, wanted
 
 HELP = "run the detection pipeline over trace files and print its verdicts"
 DESCRIPTION = (
@@ -49,11 +52,23 @@ def replay_paths(
     return replay_readers([trace.TraceReader(p, strict=strict) for p in paths], pipe)
 
 
-def replay_readers(readers: Sequence[trace.TraceReader], pipe: Pipeline) -> Iterator[Record]:
-    """Verdict records from feeding the merged ``readers`` to ``pipe``."""
+def progress_bar(readers: Sequence[trace.TraceReader]) -> ProgressLine | None:
+    """A progress line on stderr for inputs of a few MB and more, on a terminal."""
+    total = sum(os.path.getsize(r.path) for r in readers)
+    if not wanted(total):
+        return None
+    return ProgressLine(total, lambda: sum(r.bytes_read() for r in readers))
+
+
+def replay_readers(
+    readers: Sequence[trace.TraceReader], pipe: Pipeline, bar: ProgressLine | None = None
+) -> Iterator[Record]:
+    """Verdict records from feeding the merged ``readers`` to ``pipe`` (``bar``: progress)."""
     # The pipeline ignores header, verdict and action records by itself, so a
     # single file needs no merge and no filter in between (the hot loop).
-    stream = readers[0] if len(readers) == 1 else trace.merge_traces(readers)
+    stream: Iterable[Record] = readers[0] if len(readers) == 1 else trace.merge_traces(readers)
+    if bar is not None:
+        stream = counted(stream, bar)
     feed = pipe.feed
     for rec in stream:
         out = feed(rec)
@@ -107,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
     writer = trace.TraceWriter(args.verdicts_out) if args.verdicts_out else None
     verdicts: list[Record] = []
     try:
-        for v in replay_readers(readers, pipe):
+        for v in replay_readers(readers, pipe, progress_bar(readers)):
             verdicts.append(v)
             if writer is not None:
                 writer.write(v)

@@ -20,8 +20,9 @@ class RankView:
     ``state`` is ``"ok"``, ``"flagged"`` or ``"lost"``; ``cause``, ``score``
     and ``cost`` (``fsdp_sentinel.cost``: added share, seconds per step,
     rank-hours per hour) are those of the rank's open verdict (None when it
-    has none). ``job`` is the job id the rank announced (None before cluster
-    mode's hooks send one).
+    has none); for a network verdict, ``scope`` is ``"node"`` (the host) or
+    ``"link"`` (the path between the rank and ``peer_rank``). ``job`` is the
+    job id the rank announced.
     """
 
     rank: int
@@ -44,6 +45,8 @@ class RankView:
     score: float | None = None
     cost: dict[str, Any] | None = None
     job: str | None = None
+    scope: str | None = None
+    peer_rank: int | None = None
     coll_count_total: dict[str, int] = field(default_factory=dict)
     coll_bytes_total: dict[str, int] = field(default_factory=dict)
     coll_seconds_total: dict[str, float] = field(default_factory=dict)

@@ -48,6 +48,46 @@ class SlowNetwork:
     end: int
     srtt_factor: float = 3.5
     retrans_per_s: float = 0.0
+    # Retransmits a second on the flows sent *to* the rank (its ring
+    # neighbour's data, dropped on the way in): counted on the neighbour's socket.
+    retrans_to_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """The path between ranks ``a`` and ``b`` is slow (a bad cable, port or switch path):
+    collectives take ``factor`` x, the flows between the two, both directions,
+    ``srtt_factor`` x srtt; each end's other flows stay normal. ``retrans_per_s``
+    retransmits a second on each of the two flows."""
+
+    a: int
+    b: int
+    factor: float
+    start: int
+    end: int
+    srtt_factor: float = 3.5
+    retrans_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SlowDrift:
+    """Rank ``rank`` ages: its compute slows linearly from 1x at step ``start`` to
+    ``final`` x at step ``end``, and stays there (a throttling GPU, a failing DIMM)."""
+
+    rank: int
+    final: float
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class JobDrift:
+    """Every rank's compute slows together, linearly to ``final`` x from ``start`` to ``end``
+    (a new data phase, a fabric-wide change): nobody is to blame."""
+
+    final: float
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -79,6 +119,31 @@ class Lost:
 
 
 @dataclass(frozen=True)
+class Hang:
+    """Rank ``rank`` stops just before issuing collective ``coll`` of step ``step``
+    (a deadlock, a hung GPU, SIGSTOP) for ``seconds`` (None: to the end of the
+    trace). It sends nothing meanwhile; its host's probes go on; the others
+    block in that collective and report it ``pending`` every second."""
+
+    rank: int
+    step: int
+    seconds: float | None = None
+    coll: int = 1
+
+
+@dataclass(frozen=True)
+class SilentHost:
+    """Rank ``rank``'s host is cut off (power, cable) just before collective
+    ``coll`` of step ``step``, to the end: from then on nothing of that host
+    arrives, neither its ranks' records nor its own probe records (cluster
+    mode: each host's daemon forwards them), and no connection closes."""
+
+    rank: int
+    step: int
+    coll: int = 1
+
+
+@dataclass(frozen=True)
 class Scenario:
     """A synthetic job: shape, noise, clocks and faults."""
 
@@ -98,6 +163,22 @@ class Scenario:
     seed: int = 0
     name: str = "synthetic"
     tail_s: float = 0.0  # stream time (probe records only) after the last step
+    ranks_per_host: int = 1
+    probes: bool = True  # netdev and flow records (False: a daemon run with --no-probes)
+    daemon_clock: bool = False  # the daemon's own clock record every interval
+    pending_after_s: float = 1.0  # the hooks' pending records: from then on, every second
+    stall_tail_s: float = 8.0  # stream time after a stall that lasts to the end
+    # A normal end: every rank closes its connections after its last step.
+    close_at_end: bool = False
+    # Per-sample srtt noise: lognormal with this sigma (0: uniform +-10 %, the
+    # old default). The lab's own clean runs are far noisier than 0.25.
+    srtt_sigma: float = 0.0
+    # Data both ways on every ring link (gloo's rings do; the lab shows it),
+    # instead of r -> r+1 only.
+    duplex: bool = False
+    # Background retransmits a second on every data flow (Poisson), as a clean
+    # lab run shows: ~1 a second a flow.
+    retrans_bg_per_s: float = 0.0
 
 
 def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = None) -> float:
@@ -107,6 +188,28 @@ def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = No
         if isinstance(g, kind) and g.start <= step < g.end and (rank is None or g.rank == rank):
             f *= g.factor
     return f
+
+
+def _drift(x: SlowDrift | JobDrift, step: int) -> float:
+    if step < x.start:
+        return 1.0
+    if step >= x.end:
+        return x.final
+    return 1.0 + (x.final - 1.0) * (step - x.start) / (x.end - x.start)
+
+
+def compute_factor(faults: tuple[Any, ...], step: int, rank: int) -> float:
+    """How much slower ``rank`` computes in ``step`` (steps, drifts and job-wide drifts)."""
+    f = _factor(faults, SlowCompute, step, rank)
+    for x in faults:
+        if isinstance(x, SlowDrift) and x.rank == rank or isinstance(x, JobDrift):
+            f *= _drift(x, step)
+    return f
+
+
+def _net_factor(faults: tuple[Any, ...], step: int) -> float:
+    f = _factor(faults, SlowNetwork, step) * _factor(faults, FabricSlow, step)
+    return f * _factor(faults, SlowLink, step)
 
 
 def truth_of(scn: Scenario) -> dict[str, Any]:
@@ -124,10 +227,54 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
         elif isinstance(x, SlowNetwork):
             eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
             cause = "network"
+        elif isinstance(x, SlowLink):
+            eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
+            expect.append(
+                {
+                    "rank": min(x.a, x.b),
+                    "peer_rank": max(x.a, x.b),
+                    "cause": "network",
+                    "scope": "link",
+                    "onset_step": x.start,
+                    "end_step": x.end - 1,
+                    "factor": round(eff, 3),
+                    "rank_factor": x.factor,
+                }
+            )
+            continue
+        elif isinstance(x, SlowDrift):
+            # Flag it before its own slow-down reaches 1.2x: the step where it does.
+            span = x.end - x.start
+            reach = x.start + math.ceil(span * 0.2 / (x.final - 1.0)) if x.final > 1.2 else None
+            expect.append(
+                {
+                    "rank": x.rank,
+                    "cause": "compute",
+                    "onset_step": x.start,
+                    "end_step": None,
+                    "deadline_step": reach,
+                    "factor": round(1.0 + scn.compute_s * (x.final - 1.0) / base, 3),
+                    "rank_factor": x.final,
+                    "trend": True,
+                }
+            )
+            continue
         elif isinstance(x, Lost):
             expect.append(
                 {"rank": x.rank, "cause": "rank_lost", "onset_step": x.step, "end_step": x.step}
             )
+            continue
+        elif isinstance(x, Hang):
+            expect.append({"rank": x.rank, "cause": "hang", "onset_step": x.step,
+                           "end_step": x.step})  # fmt: skip
+            continue
+        elif isinstance(x, SilentHost):
+            rph = scn.ranks_per_host
+            first = x.rank // rph * rph
+            expect += [
+                {"rank": r, "cause": "rank_lost", "onset_step": x.step, "end_step": x.step}
+                for r in range(first, min(first + rph, scn.ranks))
+            ]
             continue
         else:
             continue
@@ -139,6 +286,7 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
                 "end_step": x.end - 1,
                 "factor": round(eff, 3),
                 "rank_factor": x.factor,
+                **({"scope": "node"} if cause == "network" else {}),
             }
         )
     return {
@@ -150,12 +298,22 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
     }
 
 
+def _poisson(rnd: random.Random, lam: float) -> int:
+    """A Poisson draw (Knuth; lam is small here)."""
+    limit, k, p = math.exp(-lam), 0, 1.0
+    while True:
+        p *= rnd.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
 def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
     """Records of the whole job in arrival order, and its truth."""
     rnd = random.Random(scn.seed)
     n = scn.ranks
     offs = [rnd.uniform(-scn.clock_offset_s, scn.clock_offset_s) for _ in range(n)]
-    host = [f"synth-h{r}" for r in range(n)]
+    host = [f"synth-h{r // scn.ranks_per_host}" for r in range(n)]
     addr = [f"198.18.{r // 250}.{r % 250 + 1}" for r in range(n)]
     pid = [10000 + r for r in range(n)]
 
@@ -163,6 +321,12 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
         return f"{addr[a]}:{20000 + b}"
 
     lost = next((x for x in scn.faults if isinstance(x, Lost)), None)
+    hang = next((x for x in scn.faults if isinstance(x, Hang)), None)
+    cut = next((x for x in scn.faults if isinstance(x, SilentHost)), None)
+    stop = hang or cut
+    stall_t: float | None = None  # when the hang or the cut began
+    stall_end: float | None = None  # when a stall to the end stops the trace
+    cut_host = host[cut.rank] if cut is not None else None
     spikes = {(x.rank, x.step): x.seconds for x in scn.faults if isinstance(x, Spike)}
     timed: list[tuple[float, int, Record]] = []  # (true time, tiebreak, record)
     seq_no = 0
@@ -212,18 +376,36 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
     for s in range(scn.steps):
         starts = cur[:]
         step_starts.append(min(starts))
-        net = _factor(scn.faults, SlowNetwork, s) * _factor(scn.faults, FabricSlow, s)
+        net = _net_factor(scn.faults, s)
         die_at = None
         if lost is not None and s == lost.step:
             die_at = rnd.randrange(1, scn.n_coll)
         for k in range(scn.n_coll + 1):
             issue = []
             for r in range(n):
-                seg = scn.compute_s * seg_w * _factor(scn.faults, SlowCompute, s, r)
+                seg = scn.compute_s * seg_w * compute_factor(scn.faults, s, r)
                 seg *= math.exp(rnd.gauss(0.0, scn.jitter))
                 if k == 1:
                     seg += spikes.get((r, s), 0.0)
                 issue.append(cur[r] + seg)
+            to_end = False
+            if stop is not None and s == stop.step and k == stop.coll:
+                stall_t = issue[stop.rank]
+                seconds = stop.seconds if isinstance(stop, Hang) else None
+                if seconds is not None:
+                    issue[stop.rank] = stall_t + seconds  # it goes on where it stopped
+                else:
+                    to_end = True
+                    stall_end = stall_t + scn.stall_tail_s
+            if to_end:
+                assert stall_end is not None and stop is not None
+                # The others issue it and wait to the end of the trace.
+                for r in range(n):
+                    if r == stop.rank or (cut_host is not None and host[r] == cut_host):
+                        continue
+                    _pending(put, scn, r, s, seq[r], k, issue[r], stall_end, offs[r])
+                steps_done = s
+                break
             if die_at is not None and k == die_at:
                 dead_t = issue[lost.rank] - 0.5 * scn.compute_s * seg_w  # type: ignore[union-attr]
                 steps_done = s
@@ -236,6 +418,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
             for r in range(n):
                 end = done + rnd.uniform(0.0, 2e-4)
                 if s >= scn.late_join.get(r, 0):
+                    _pending(put, scn, r, s, seq[r], k, issue[r], end, offs[r])
                     put(
                         end,
                         r,
@@ -253,7 +436,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                     )
                 seq[r] += 1
                 cur[r] = end
-        if dead_t is not None:
+        if dead_t is not None or stall_end is not None:
             break
         for r in range(n):
             if s >= scn.late_join.get(r, 0):
@@ -271,6 +454,16 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
             cur[r] += 1e-4
 
     t_end = (dead_t + lost.teardown_s + 2 * scn.interval) if (lost and dead_t) else max(cur)
+    if stall_end is not None:
+        t_end = stall_end
+    if scn.close_at_end and stall_end is None and dead_t is None:
+        for a in range(n):
+            for b in range(n):
+                if a != b:
+                    tc = cur[a] + 0.05
+                    put(tc, a, {"kind": "conn", "t": tc + offs[a], "host": host[a],
+                                "pid": pid[a], "src": ep(a, b), "dst": ep(b, a),
+                                "what": "close"})  # fmt: skip
     t_end += scn.tail_s
     if lost is not None and dead_t is not None:
         k = lost.rank
@@ -324,9 +517,19 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
     # Probe records: ring data flows (r -> r+1) and their ACK paths, every interval.
     t = t0 + scn.interval
     while t <= t_end + 1e-9:
+        if scn.daemon_clock:
+            put(t, -1, {"kind": "clock", "t": t, "host": "synth-daemon"})
         s = max(0, bisect_right(step_starts, t) - 1)
         running = s < steps_done and (dead_t is None or t < dead_t)
+        if stall_t is not None and stall_end is not None and t >= stall_t:
+            running = False
+        gone = cut_host if (stall_t is not None and t >= stall_t) else None
+        if not scn.probes:
+            t += scn.interval
+            continue
         for r in range(n):
+            if r % scn.ranks_per_host or host[r] == gone:
+                continue  # one netdev record per host; none from a host cut off
             put(
                 t,
                 r,
@@ -348,9 +551,9 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                         and dead_t is not None
                         and t >= dead_t
                         and lost.rank in (r, peer)
-                    ):
+                    ) or host[r] == gone:
                         continue
-                    sending = peer == (r + 1) % n
+                    sending = scn.duplex or peer == (r + 1) % n
                     f = 1.0
                     for x in scn.faults:
                         if (
@@ -361,6 +564,12 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                             f *= x.srtt_factor
                         if isinstance(x, FabricSlow) and x.start <= s < x.end:
                             f *= x.srtt_factor
+                        if (
+                            isinstance(x, SlowLink)
+                            and x.start <= s < x.end
+                            and {r, peer} == {x.a, x.b}
+                        ):
+                            f *= x.srtt_factor
                     rate = scn.coll_bytes * scn.n_coll / (scn.compute_s + scn.n_coll * scn.xfer_s)
                     tx = (
                         int(rate * scn.interval * rnd.uniform(0.9, 1.1))
@@ -369,18 +578,30 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                     )
                     rx = (
                         int(rate * scn.interval * rnd.uniform(0.9, 1.1))
-                        if running and not sending
+                        if running and (scn.duplex or not sending)
                         else 0
                     )
                     retrans = 0
                     for x in scn.faults:
                         if (
-                            isinstance(x, SlowNetwork)
-                            and x.start <= s < x.end
-                            and x.rank == r
-                            and sending
+                            not isinstance(x, (SlowNetwork, SlowLink))
+                            or not x.start <= s < x.end
+                            or not sending
                         ):
+                            continue
+                        if isinstance(x, SlowNetwork) and x.rank == r:
                             retrans += int(x.retrans_per_s * scn.interval)
+                        if isinstance(x, SlowNetwork) and x.rank == peer:
+                            retrans += int(x.retrans_to_per_s * scn.interval)
+                        if isinstance(x, SlowLink) and {r, peer} == {x.a, x.b}:
+                            retrans += int(x.retrans_per_s * scn.interval)
+                    if scn.retrans_bg_per_s and running and sending:
+                        retrans += _poisson(rnd, scn.retrans_bg_per_s * scn.interval)
+                    noise = (
+                        math.exp(rnd.gauss(0.0, scn.srtt_sigma))
+                        if scn.srtt_sigma
+                        else rnd.uniform(0.9, 1.1)
+                    )
                     put(
                         t,
                         r,
@@ -394,7 +615,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                             "dst": ep(peer, r),
                             "tx_bytes": tx,
                             "rx_bytes": rx,
-                            "srtt_us": round(scn.srtt_us * f * rnd.uniform(0.9, 1.1), 1),
+                            "srtt_us": round(scn.srtt_us * f * noise, 1),
                             "retrans": retrans,
                             "cwnd": 10,
                         },
@@ -403,11 +624,50 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
 
     timed.sort(key=lambda x: (x[0], x[1]))
     out = [rec for _, _, rec in timed]
+    if cut_host is not None and stall_t is not None:
+        # Nothing of a host cut off reaches the daemon: its ranks' records neither.
+        out = [rec for rec in out if not _from_host_after(rec, host, cut_host, stall_t)]
     if scn.drop > 0:
         out = [
             rec for rec in out if rec["kind"] not in ("step", "coll") or rnd.random() >= scn.drop
         ]
-    return out, truth_of(scn)
+    truth = truth_of(scn)
+    if stall_t is not None:
+        for e in truth["stragglers"]:
+            if e["cause"] in ("hang", "rank_lost"):
+                e["onset_t"] = round(stall_t, 6)
+    return out, truth
+
+
+def _pending(
+    put: Any,
+    scn: Scenario,
+    rank: int,
+    step: int,
+    seq: int,
+    k: int,
+    issue: float,
+    end: float,
+    off: float,
+) -> None:
+    """The hooks' ``pending`` records of a collective in flight from ``issue`` to ``end``."""
+    op = "all_gather" if k < scn.n_coll // 2 else "reduce_scatter"
+    t = issue + scn.pending_after_s
+    while t < end:
+        put(t, rank, {"kind": "pending", "t": t + off, "rank": rank, "step": step, "seq": seq,
+                      "op": op, "issue": issue + off})  # fmt: skip
+        t += 1.0
+
+
+def _from_host_after(rec: Record, host: list[str], cut: str, t_cut: float) -> bool:
+    """Whether ``rec`` comes from host ``cut`` after ``t_cut`` (so never arrives)."""
+    kind = rec["kind"]
+    if kind in ("netdev", "flow", "conn"):
+        return bool(rec["host"] == cut and rec["t"] >= t_cut)
+    if kind in ("coll", "step", "pending"):
+        t = rec["end"] if kind != "pending" else rec["t"]
+        return bool(host[rec["rank"]] == cut and t >= t_cut)
+    return False
 
 
 def fleet_job(ranks: int, steps: int = 20) -> list[Record]:

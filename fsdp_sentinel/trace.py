@@ -40,6 +40,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "rank": ("t", "rank", "world_size", "host", "pid", "addrs"),
     "step": ("rank", "step", "start", "end"),
     "coll": ("rank", "step", "seq", "op", "bytes", "issue", "end"),
+    "pending": ("t", "rank", "step", "seq", "op", "issue"),
+    "clock": ("t", "host"),
     "flow": ("t", "dt", "host", "pid", "src", "dst", "tx_bytes", "rx_bytes"),
     "netdev": ("t", "dt", "host", "dev", "tx_bytes", "rx_bytes"),
     "conn": ("t", "host", "pid", "src", "dst", "what"),
@@ -82,6 +84,8 @@ TIME_FIELD: dict[str, str] = {
     "rank": "t",
     "step": "end",
     "coll": "end",
+    "pending": "t",
+    "clock": "t",
     "flow": "t",
     "netdev": "t",
     "conn": "t",
@@ -106,6 +110,45 @@ class TraceError(ValueError):
 
 def header() -> Record:
     return {"kind": "header", "format": FORMAT, "version": VERSION}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One detection verdict, typed until :meth:`record` writes it as a ``verdict`` record.
+
+    ``score`` is the rule's own figure (relative score, srtt ratio, silence in
+    seconds); ``peer_rank`` the other end a network verdict names;
+    ``evidence`` what the rule saw (docs/detection.md lists each rule's keys).
+    The detector builds these; the trace layer alone decides their wire form.
+    """
+
+    t: float
+    step: int
+    rank: int
+    state: str  # "flagged" | "cleared"
+    cause: str  # "compute" | "network" | "rank_lost" | "hang"
+    score: float
+    host: str = ""
+    peer_rank: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> Record:
+        """The trace-v1 ``verdict`` record (times to the microsecond, scores to 4 places)."""
+        rec: Record = {
+            "kind": "verdict",
+            "t": round(self.t, 6),
+            "step": self.step,
+            "rank": self.rank,
+            "state": self.state,
+            "cause": self.cause,
+            "score": round(self.score, 4),
+        }
+        if self.host:
+            rec["host"] = self.host
+        if self.peer_rank is not None:
+            rec["peer_rank"] = self.peer_rank
+        rec["evidence"] = self.evidence
+        return rec
 
 
 def missing_fields(rec: Record) -> list[str]:
@@ -246,8 +289,10 @@ class TraceWriter:
 # --------------------------------------------------------------------------- reading
 
 
-def _open_lines(path: str | os.PathLike[str]) -> IO[bytes]:
+def _open_lines(path: str | os.PathLike[str], owner: Any = None) -> IO[bytes]:
     raw = open(path, "rb")  # noqa: SIM115 - returned to caller
+    if owner is not None:
+        owner._raw = raw  # its position is the reader's progress
     if not _is_zst(path):
         return raw
     import zstandard
@@ -273,6 +318,14 @@ class TraceReader:
     skipped: int = 0
     skipped_lines: list[int] = field(default_factory=list)
     lines: int = 0
+    _raw: Any = field(default=None, repr=False, compare=False)
+
+    def bytes_read(self) -> int:
+        """How far into the file (its bytes on disk) reading has got: for progress."""
+        raw = self._raw
+        if raw is None or raw.closed:
+            return os.path.getsize(self.path) if self.lines else 0
+        return int(raw.tell())
 
     def __iter__(self) -> Iterator[Record]:
         name = str(self.path)
@@ -280,7 +333,7 @@ class TraceReader:
         # Hot loop (replay is parse-bound): a C-level subset test per record.
         required = _REQUIRED_SETS
         lineno = 0
-        with _open_lines(self.path) as fh:
+        with _open_lines(self.path, self) as fh:
             try:
                 for lineno, raw in enumerate(fh, 1):  # noqa: B007 - read in finally
                     try:

@@ -12,7 +12,10 @@ step, and why (format in docs/detection.md)::
 (a clean trace, a transient spike, a fabric-wide slow-down). ``transient``
 (a list of one-off faults, or a flag, as the lab's truth files write it)
 documents faults that must *not* be flagged; ``end_step`` may be null (the
-fault lasted to the end of the trace). Used by the tests
+fault lasted to the end of the trace). A slow link lists one end as ``rank``
+and the other as ``peer_rank`` (with ``"scope": "link"``; a verdict on
+either end names it); a slow host ``"scope": "node"``; a slow ageing
+``deadline_step``, the step by which it must be flagged. Used by the tests
 and by ``bench/detect_accuracy``; pure, no I/O except :func:`load_truth`.
 """
 
@@ -95,9 +98,9 @@ def judge(verdicts: Iterable[Record], truth: dict[str, Any], slack_steps: int = 
         lo = int(e["onset_step"] or 0)
         end = e.get("end_step")
         hi = (10**12 if end is None else int(end)) + slack_steps
-        hits = [
-            i for i, v in enumerate(flagged) if v["rank"] == e["rank"] and lo <= v["step"] <= hi
-        ]
+        # A link has two ends: a verdict on either names it.
+        ends = {e["rank"], e.get("peer_rank", e["rank"])}
+        hits = [i for i, v in enumerate(flagged) if v["rank"] in ends and lo <= v["step"] <= hi]
         if hits:
             found.append((e, flagged[hits[0]]))
             used.update(hits)

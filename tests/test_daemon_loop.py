@@ -26,7 +26,7 @@ from daemon_support import wait_for
 from fsdp_sentinel.daemon import Daemon, DaemonConfig
 from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.snapshot import Snapshot
-from fsdp_sentinel.synth import Scenario, SlowCompute, generate
+from fsdp_sentinel.synth import Hang, Scenario, SlowCompute, generate
 from fsdp_sentinel.trace import read_trace
 
 Record = dict[str, Any]
@@ -177,6 +177,10 @@ def running(paths) -> Iterator[Callable[..., Running]]:
             interval=kw.pop("interval", 0.05),
             pid_check_interval=kw.pop("pid_check_interval", 5.0),
         )
+        # The synthetic jobs' records carry times of 2023: the daemon's real
+        # wall-clock heartbeat would move their stream clock years on. Tests
+        # of the heartbeat pass a wall clock of their own.
+        kw.setdefault("wall_clock", None)
         d = Daemon(cfg, pipeline=kw.pop("pipeline", LateRankPipeline()), **kw)
         d.start()
         r = Running(d)
@@ -353,3 +357,48 @@ def test_close_is_idempotent_and_rolls_back_once(paths) -> None:
     d.close()
     assert calls == [1]
     assert not paths["socket"].exists()
+
+
+# ----------------------------------------------------------------- the daemon's own clock
+
+
+def hung_job() -> tuple[list[Record], float]:
+    """A --no-probes job whose rank 2 hangs in step 8: its records up to the
+    waiting ranks' first pending records, after which nothing comes at all."""
+    recs, _ = generate(Scenario(seed=3, steps=12, probes=False, faults=(Hang(2, 8),)))
+    first = min(r["t"] for r in recs if r["kind"] == "pending")
+    kept = [r for r in recs if r["kind"] != "pending" or r["t"] < first + 0.5]
+    return kept, max(float(r["t"] if "t" in r else r["end"]) for r in kept)
+
+
+@pytest.mark.parametrize("heartbeat", [True, False])
+def test_the_daemon_clock_alone_moves_time_when_every_rank_blocks(
+    running, paths, heartbeat: bool
+) -> None:
+    recs, last = hung_job()
+    m0 = time.monotonic()
+    # The wall clock of this synthetic job's world: its last record, now.
+    wall = (lambda: last + (time.monotonic() - m0)) if heartbeat else None
+    r = running(pipeline=Pipeline(), wall_clock=wall)
+    send_all(paths["socket"], recs)
+
+    def hang_named() -> bool:
+        return any(v.state == "flagged" and v.cause == "hang" for v in r.daemon.snapshot().ranks)
+
+    if heartbeat:
+        wait_for(hang_named, timeout=10.0)
+    else:
+        time.sleep(3.0)  # longer than the hang takes to be named with a clock
+        assert not hang_named()
+    r.stop()
+    body = [x for x in read_trace(paths["trace"]) if x["kind"] != "header"]
+    clocks = [x for x in body if x["kind"] == "clock"]
+    assert bool(clocks) == heartbeat
+    hangs = [x for x in body if x["kind"] == "verdict" and x["cause"] == "hang"]
+    assert [(v["rank"], v["state"]) for v in hangs] == ([(2, "flagged")] if heartbeat else [])
+    if heartbeat:
+        # After every rank's last record, only the daemon's clock moved time on.
+        assert hangs[0]["t"] > last and clocks[-1]["t"] >= hangs[0]["t"]
+        # And the trace holds that clock: its replay names the same hang.
+        replayed = Pipeline().feed_many(x for x in body if x["kind"] != "verdict")
+        assert replayed == [x for x in body if x["kind"] == "verdict"]

@@ -197,7 +197,7 @@ def test_found_and_false_alarm() -> None:
 def test_the_threshold_is_the_detectors_own_minimum_effect() -> None:
     from fsdp_sentinel.detect import DetectConfig
 
-    assert DetectConfig().min_effect == NO_EFFECT_BELOW
+    assert DetectConfig().baseline.min_effect == NO_EFFECT_BELOW
 
 
 def test_the_all_table_fits_80_columns_and_shouts_only_errors() -> None:

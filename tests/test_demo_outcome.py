@@ -52,21 +52,27 @@ def test_every_scenario_of_the_issue_is_there_with_its_cause() -> None:
     assert list(SCENARIOS) == [
         "clean",
         "slow-link",
+        "slow-path",
         "noisy-neighbor",
         "slow-compute",
         "mild-compute",
         "packet-loss",
         "rank-kill",
+        "hang",
+        "silent-node",
     ]
     causes = {name: s.cause for name, s in SCENARIOS.items()}
     assert causes == {
         "clean": None,
         "slow-link": "network",
+        "slow-path": "network",
         "noisy-neighbor": "network",
         "slow-compute": "compute",
         "mild-compute": "compute",
         "packet-loss": "network",
         "rank-kill": "rank_lost",
+        "hang": "hang",
+        "silent-node": "rank_lost",
     }
     for s in SCENARIOS.values():
         assert (s.make is None) == (s.what is None)
@@ -97,7 +103,14 @@ def test_truth_expects_the_fault_unless_transient() -> None:
     data = build(steps(10) + [fault(T0 + 4.5, T0 + 7.2)])
     doc = truth(data, scenario="slow-link", world_size=2, steps=10)
     assert doc["stragglers"] == [
-        {"rank": 1, "cause": "network", "onset_step": 4, "end_step": 7, "what": "slow_link"}
+        {
+            "rank": 1,
+            "cause": "network",
+            "onset_step": 4,
+            "end_step": 7,
+            "what": "slow_link",
+            "onset_t": T0 + 4.5,
+        }
     ]
     assert doc["faults"][0]["what"] == "slow_link" and "kind" not in doc["faults"][0]
     assert truth(data, scenario="x", world_size=2, steps=10, transient=True)["stragglers"] == []

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from fsdp_sentinel import trace
-from fsdp_sentinel.cost import straggler_cost
 from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.replay import recorded_verdicts, replay_paths
 from fsdp_sentinel.truth import judge, load_truth, truth_path
@@ -23,7 +22,7 @@ GOLDEN = sorted(p for p in TRACES.glob("*.jsonl*") if truth_path(p).exists())
 
 def test_there_are_golden_traces_of_each_basic_kind() -> None:
     names = {p.name.split(".")[0] for p in GOLDEN}
-    assert {"clean_2r", "slow_compute_2r", "spike_2r"} <= names
+    assert {"clean_2r", "slow_compute_2r", "spike_2r", "lab-hang", "lab-silent-node"} <= names
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
@@ -35,8 +34,11 @@ def test_golden_trace_gives_its_truth(path: Path) -> None:
     assert not j.false, f"false flags {j.false}"
     assert j.cause_ok == len(j.found)
     for e, v in j.found:
-        if e["cause"] != "rank_lost" and e.get("factor", 0) >= 1.3:
+        if e["cause"] not in ("rank_lost", "hang") and e.get("factor", 0) >= 1.3:
             assert v["step"] - e["onset_step"] <= 3, (e, v)
+        if e["cause"] == "hang" or e.get("what") == "silent_node":
+            # Judged on the clock: named within 3 s of the fault.
+            assert v["t"] - e["onset_t"] <= 3.0, (e, v)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
@@ -45,7 +47,7 @@ def test_golden_trace_with_one_rank_shifted_20ms_gives_the_same_verdicts(path: P
     recs = list(trace.read_trace(path))
     shifted = []
     for r in recs:
-        if r.get("rank") == 1 and r.get("kind") in ("step", "coll", "rank"):
+        if r.get("rank") == 1 and r.get("kind") in ("step", "coll", "rank", "pending"):
             r = dict(r)
             for k in ("t", "start", "end", "issue"):
                 if k in r:
@@ -57,32 +59,22 @@ def test_golden_trace_with_one_rank_shifted_20ms_gives_the_same_verdicts(path: P
     assert a == b
 
 
-def _world_size(path: Path) -> int | None:
-    return next((int(r["world_size"]) for r in trace.read_trace(path) if r["kind"] == "rank"), None)
-
-
-# lab-*: captures whose recorded verdicts come from the current detector.
+# lab-*: captures whose recorded flags the current detector still makes.
 # regress-*: real lab captures kept because the detector once got them wrong
 # (the verdicts recorded in them are the old, wrong ones), so only their
 # truth is checked, by the tests above.
 LIVE = [p for p in GOLDEN if p.name.startswith("lab-")]
 
 
+def flags(verdicts: list[dict]) -> list[tuple[int, str, int]]:
+    return [(v["rank"], v["cause"], v["step"]) for v in verdicts if v["state"] == "flagged"]
+
+
 @pytest.mark.parametrize("path", LIVE, ids=lambda p: p.name.split(".")[0])
-def test_live_lab_capture_replays_to_the_verdicts_the_daemon_recorded(path: Path) -> None:
-    # The daemon wrote its own verdicts into the capture as it ran. Captures
-    # made before verdicts were priced lack ``evidence.cost``: it is derived
-    # from fields that are recorded, so it is checked against those instead.
-    recorded = recorded_verdicts([path])
-    replayed = list(replay_paths([path]))
-    priced = any("cost" in (v.get("evidence") or {}) for v in recorded)
-    if not priced:
-        for v in replayed:
-            cost = (v.get("evidence") or {}).pop("cost", None)
-            if v["state"] == "flagged" and v["cause"] in ("compute", "network"):
-                ev = v["evidence"]
-                assert cost == straggler_cost(
-                    v["cause"], ev.get("job_step_s"), ev.get("baseline_step_s"),
-                    _world_size(path),
-                ), v  # fmt: skip
-    assert replayed == recorded
+def test_live_lab_capture_replays_to_the_flags_the_daemon_recorded(path: Path) -> None:
+    # The daemon wrote its own verdicts into the capture as it ran: the same
+    # ranks are flagged for the same cause at the same step. Evidence, the
+    # named peer and clears follow today's detector (issue 11 added a flow's
+    # median, link scope and the flows that carried the case; byte-identity
+    # of live and replay is tests/test_replay_cli.py's).
+    assert flags(list(replay_paths([path]))) == flags(recorded_verdicts([path]))

@@ -13,14 +13,12 @@ from operator import sub
 
 import pytest
 
-from fsdp_sentinel.detect import (
-    _mad,
-    _median,
-    _median_sorted,
-    _median_without,
-    _push,
-    _push_sorted,
-)
+from fsdp_sentinel.detect.stats import mad as _mad
+from fsdp_sentinel.detect.stats import median as _median
+from fsdp_sentinel.detect.stats import median_sorted as _median_sorted
+from fsdp_sentinel.detect.stats import median_without as _median_without
+from fsdp_sentinel.detect.stats import push as _push
+from fsdp_sentinel.detect.stats import push_sorted as _push_sorted
 
 
 def values(rng: random.Random, n: int) -> list[float]:

@@ -73,7 +73,7 @@ def test_every_flag_is_cleared_after_its_fault_ends() -> None:
     states = [(v["rank"], v["state"], v["cause"]) for v in verdicts]
     assert states == [(2, "flagged", "compute"), (2, "cleared", "compute")]
     cleared = verdicts[1]
-    assert 30 <= cleared["step"] <= 30 + DetectConfig().clear_after + 1
+    assert 30 <= cleared["step"] <= 30 + DetectConfig().persistence.clear_after + 1
     assert pipe.open == {}
 
 
@@ -270,7 +270,7 @@ def test_set_config_takes_effect_while_running() -> None:
     pipe = Pipeline()
     half = len(recs) // 5
     assert pipe.feed_many(recs[:half]) == []
-    pipe.set_config(DetectConfig(min_effect=0.5))  # nothing this small counts now
+    pipe.set_config(DetectConfig().with_(min_effect=0.5))  # nothing this small counts now
     assert [v for v in pipe.feed_many(recs[half:]) if v["state"] == "flagged"] == []
 
 
@@ -301,6 +301,6 @@ def test_without_the_sustained_rule_the_mild_straggler_flaps() -> None:
     # The same job with the rule off (sustained_window = 0): the oracle that the
     # rule, not the seed, is what holds the flag.
     scn = S.Scenario(seed=100, jitter=0.15, steps=50, faults=(S.SlowCompute(2, 1.23, 10, 45),))
-    verdicts, _, _ = run(scn, DetectConfig(sustained_window=0))
+    verdicts, _, _ = run(scn, DetectConfig().with_(sustained_window=0))
     clears = [v["step"] for v in verdicts if v["state"] == "cleared"]
     assert any(step <= 45 for step in clears)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from fsdp_sentinel.hostinfo import _ipv4_local, _ipv6_addrs, local_addrs
-from fsdp_sentinel.trace import read_trace
+from fsdp_sentinel.trace import read_trace, validate
 from fsdp_sentinel.trainer.launch import local_env, torchrun_argv
 
 WORLD = 2
@@ -405,3 +405,95 @@ def test_cuda_watcher_stamps_in_order_off_thread(tmp_path: Path) -> None:
     recs = list(read_trace(out))[1:]
     assert [r["seq"] for r in recs] == [0, 1]
     assert all(isinstance(r["end"], float) for r in recs)
+
+
+# ----------------------------------------------------------------- pending records
+
+
+class FakeTensor:
+    """Enough of a CPU tensor for the hooks' record: 1 KiB."""
+
+    device = type("D", (), {"type": "cpu"})()
+
+    def numel(self) -> int:
+        return 256
+
+    def element_size(self) -> int:
+        return 4
+
+
+class FakeGroup:
+    def size(self) -> int:
+        return 2
+
+
+def test_pending_records_come_from_the_sender_thread_while_a_collective_is_in_flight(
+    tmp_path: Path,
+) -> None:
+    from fsdp_sentinel.emit import Emitter
+    from fsdp_sentinel.hooks import Instrumentation
+
+    threads: list[str] = []
+
+    class Watching(Emitter):
+        def emit(self, rec: dict[str, Any]) -> None:
+            if rec["kind"] == "pending":
+                threads.append(threading.current_thread().name)
+            super().emit(rec)
+
+    out = tmp_path / "p.jsonl"
+    em = Watching(None, str(out), flush_interval=0.01)
+    inst = Instrumentation(em, rank=3, world_size=4, host="h", pending_after_s=0.2,
+                           pending_every_s=0.2, owns_emitter=True)  # fmt: skip
+    quick = inst._issue("all_gather", FakeTensor(), FakeGroup())  # type: ignore[arg-type]
+    assert quick is not None
+    inst._issued(quick, None, FakeTensor())  # type: ignore[arg-type]  # synchronous: done
+    with inst.step(7):
+        rec = inst._issue("reduce_scatter", FakeTensor(), FakeGroup())  # type: ignore[arg-type]
+        assert rec is not None
+        threading.Event().wait(0.75)  # this thread "blocked in the collective"
+        inst._complete(rec)
+        threading.Event().wait(0.3)  # nothing pending any more
+    inst.close()
+    recs = [r for r in read_trace(out) if r["kind"] != "header"]
+    pend = [r for r in recs if r["kind"] == "pending"]
+    coll = next(r for r in recs if r["kind"] == "coll" and r["seq"] == rec["seq"])
+    assert set(threads) == {"fsdp-sentinel-emit"}  # never the training thread
+    assert 3 <= len(pend) <= 4  # at 0.2, 0.4, 0.6 (and maybe 0.75) s of 0.75 s in flight
+    for p in pend:
+        assert validate(p) is None
+        assert (p["rank"], p["step"], p["seq"], p["op"], p["issue"]) == (
+            3, 7, coll["seq"], "reduce_scatter", coll["issue"],
+        )  # fmt: skip
+        assert coll["issue"] + 0.2 <= p["t"] <= coll["end"] + 0.05
+    gaps = [b["t"] - a["t"] for a, b in zip(pend, pend[1:], strict=False)]
+    assert all(0.15 <= g <= 0.35 for g in gaps), gaps
+    assert not [r for r in pend if r["seq"] == quick["seq"]]  # it never waited
+    assert inst.pendings == len(pend) and em.ticker_errors == 0
+
+
+@pytest.mark.torch
+def test_a_rank_waiting_for_a_stalled_peer_reports_pending_and_the_stalled_one_does_not(
+    tmp_path: Path,
+) -> None:
+    # Real FSDP2 over gloo: rank 1 sleeps 2.5 s in step 2 (between forward and
+    # backward), so rank 0 blocks ~2.5 s in its next collective.
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+    args += ["--steps=4", "--batch=2", "--socket=off", f"--trace-out={tmp_path}/r{{rank}}.jsonl",
+             "--delay-rank=1", "--delay-seconds=2.5", "--delay-steps=2:3"]  # fmt: skip
+    run_torchrun(torchrun_argv(WORLD, args=args))
+    traces = by_rank(sorted(tmp_path.glob("r*.jsonl")))
+    assert not [r for r in traces[1] if r["kind"] == "pending"]  # asleep, nothing in flight
+    pend = [r for r in traces[0] if r["kind"] == "pending"]
+    assert 2 <= len(pend) <= 3, pend  # at ~1 s and ~2 s of ~2.5 s in flight
+    colls = {r["seq"]: r for r in traces[0] if r["kind"] == "coll"}
+    (seq,) = {p["seq"] for p in pend}
+    c = colls[seq]  # the collective completed, and its record says how long it waited
+    assert c["step"] == 2 and c["end"] - c["issue"] >= 2.0
+    for p in pend:
+        assert validate(p) is None
+        assert (p["step"], p["op"], p["issue"]) == (c["step"], c["op"], c["issue"])
+        assert c["issue"] + 1.0 <= p["t"] < c["end"]
+    assert 0.9 <= pend[1]["t"] - pend[0]["t"] <= 1.2
+    # The waiting rank's collectives went on in seq order with the stalled one's.
+    assert sorted(colls) == sorted(r["seq"] for r in traces[1] if r["kind"] == "coll")

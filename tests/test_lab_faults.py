@@ -10,6 +10,7 @@ generous bounds (the machine's 2 cores are shared), never timed asserts.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import time
@@ -20,14 +21,17 @@ from typing import Any
 import pytest
 
 from fsdp_sentinel.lab import (
+    HangRank,
     KillRank,
     Lab,
     LabConfig,
     LabError,
     NoisyNeighbor,
     PacketLoss,
+    SilentNode,
     SlowCompute,
     SlowLink,
+    SlowPath,
 )
 from fsdp_sentinel.lab.cleanup import teardown
 from fsdp_sentinel.trace import validate
@@ -213,6 +217,57 @@ def test_slow_link_lowers_throughput_and_clear_restores_it(lab: Lab) -> None:
     assert statistics.median(after) > 0.8 * RATE * GOODPUT, wins
 
 
+def path_rate(lab: Lab, src: int, dst: int, port: int, seconds: float = 2.5) -> float:
+    """Median payload Mbit/s of one TCP transfer src -> dst, as our receiver counts it."""
+    recv = lab.python(dst, ["-c", RECV, str(port), "0.5"], stdout=subprocess.PIPE, text=True)
+    assert recv.stdout is not None and recv.stdout.readline().strip() == "ready"
+    send = lab.python(src, ["-c", SEND, lab.hosts[dst].addr, str(port), str(seconds)])
+    assert send.wait(timeout=30) == 0
+    return statistics.median(r for _, r in windows(recv)[1:])
+
+
+def test_slow_path_slows_only_the_two_hosts_traffic_both_ways() -> None:
+    name = "fss-lp"
+    teardown(name)
+    with Lab(LabConfig(name=name, hosts=3, rate_mbit=RATE, subnet="198.18.9.0/24")) as lab:
+        for a, b in ((0, 1), (0, 2), (1, 2)):
+            lab.popen(
+                a, ["ping", "-c1", "-W2", lab.hosts[b].addr], stdout=subprocess.DEVNULL
+            ).wait()
+        fault = SlowPath(0, 40.0, peer=1)
+        on = lab.inject(fault, step=3)
+        assert_fault_record(on, "slow_path", lab, 0)
+        assert on["params"]["peer_rank"] == 1 and on["params"]["rate_mbit"] == 40.0
+        # The path 0 <-> 1 runs at the slow rate, in both directions ...
+        assert path_rate(lab, 0, 1, 7101) == pytest.approx(40.0 * GOODPUT, rel=0.2)
+        assert path_rate(lab, 1, 0, 7102) == pytest.approx(40.0 * GOODPUT, rel=0.2)
+        # ... while each end's traffic to the third host keeps the lab's rate.
+        assert path_rate(lab, 0, 2, 7103) > 0.75 * RATE * GOODPUT
+        assert path_rate(lab, 1, 2, 7104) > 0.75 * RATE * GOODPUT
+        # tc's own counters: the slow class carried the path's bytes on both ends
+        # (this iproute2 prints htb classes as text even with -j).
+        for h in (0, 1):
+            host = lab.hosts[h]
+            text = subprocess.run(
+                ["tc", "-n", host.netns, "-s", "class", "show", "dev", host.ifname],
+                check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            sent = re.search(r"class htb 10:2 .*?\n\s*Sent (\d+) bytes", text)
+            assert sent and int(sent.group(1)) > 5_000_000, text
+        off = lab.clear(fault, step=6)
+        assert validate(off) is None
+        for h in (0, 1):
+            host = lab.hosts[h]
+            kinds = [
+                q["kind"]
+                for q in sh_json("tc", "-n", host.netns, "-j", "qdisc", "show", "dev", host.ifname)
+            ]
+            # the tbf's own inner queue is back (not noop, which would drop everything)
+            assert "htb" not in kinds and "tbf" in kinds and "bfifo" in kinds, kinds
+        assert path_rate(lab, 0, 1, 7105) > 0.75 * RATE * GOODPUT
+    teardown(name)
+
+
 def test_noisy_neighbor_out_shares_the_host_link(lab: Lab) -> None:
     h0, st = lab.hosts[0], lab.storage
     tc0, rx0 = tbf(h0.netns, h0.ifname)["bytes"], rx_bytes(st.netns, st.ifname)
@@ -353,3 +408,102 @@ def test_stacked_faults_keep_a_flat_qdisc_tree(lab: Lab) -> None:
     assert clsact(lab.switch_netns, h1.switch_ifname) is not None  # the other fault is untouched
     lab.clear(loss)
     assert clsact(lab.switch_netns, h1.switch_ifname) is None and lab.active_faults() == []
+
+
+def proc_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (T: stopped), from /proc/PID/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def established(netns: str, port: int) -> int:
+    out = subprocess.run(["ss", "-N", netns, "-tnH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return len([ln for ln in out.splitlines() if ln.strip()])
+
+
+# A rank that holds a TCP connection to host 0 and sleeps: what a hung rank looks like.
+HOLD = """
+import socket, sys, time
+for _ in range(200):
+    try:
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
+    except OSError:
+        time.sleep(0.05)
+time.sleep(300)
+"""
+ACCEPT = """
+import socket, sys, time
+srv = socket.create_server(("0.0.0.0", int(sys.argv[1]))); print("ready", flush=True)
+c, _ = srv.accept(); time.sleep(300)
+"""
+
+
+def test_hang_rank_stops_the_rank_keeps_its_socket_and_continues_on_clear(lab: Lab) -> None:
+    port = 7011
+    server = lab.python(0, ["-c", ACCEPT, str(port)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    rank = lab.python(1, ["-c", HOLD, lab.hosts[0].addr, str(port)], env={"RANK": "1"})
+    helper = lab.popen(1, ["sleep", "300"])
+    for _ in range(100):
+        if established(lab.hosts[0].netns, port):
+            break
+        time.sleep(0.05)
+    assert established(lab.hosts[0].netns, port) == 1
+    fault = HangRank(1)
+    rec = lab.inject(fault)
+    assert_fault_record(rec, "rank_hang", lab, 1)
+    assert rec["params"] == {"pids": [rank.pid], "signal": "SIGSTOP"}
+    time.sleep(0.2)
+    assert proc_state(rank.pid) == "T" and proc_state(helper.pid) != "T"
+    # Stopped, not gone: no FIN, no RST, the peer still sees it connected.
+    time.sleep(1.0)
+    assert established(lab.hosts[0].netns, port) == 1
+    lab.clear(fault)
+    time.sleep(0.2)
+    assert proc_state(rank.pid) != "T" and rank.poll() is None
+
+
+def ping(lab: Lab, src: int, dst: int) -> bool:
+    p = lab.popen(src, ["ping", "-c1", "-W1", lab.hosts[dst].addr], stdout=subprocess.DEVNULL)
+    return p.wait(timeout=10) == 0
+
+
+def link_flags(netns: str, dev: str) -> list[str]:
+    return list(sh_json("ip", "-n", netns, "-j", "link", "show", "dev", dev)[0]["flags"])
+
+
+def test_silent_node_cuts_the_host_off_without_a_reset_and_clear_restores_it(lab: Lab) -> None:
+    h1 = lab.hosts[1]
+    assert ping(lab, 0, 1)
+    fault = SilentNode(1)
+    rec = lab.inject(fault)
+    assert_fault_record(rec, "silent_node", lab, 1)
+    # The switch's end is down; the host's own end stays configured (up, no carrier).
+    assert "UP" not in link_flags(lab.switch_netns, h1.switch_ifname)
+    host_end = link_flags(h1.netns, h1.ifname)
+    assert "UP" in host_end and "NO-CARRIER" in host_end
+    assert not ping(lab, 0, 1) and not ping(lab, 1, 0)
+    # Its shaping is untouched: the link comes back as it was.
+    assert tbf(lab.switch_netns, h1.switch_ifname)["options"]["rate"] == int(RATE * 1e6 / 8)
+    lab.clear(fault)
+    assert "UP" in link_flags(lab.switch_netns, h1.switch_ifname)
+    for _ in range(20):
+        if ping(lab, 0, 1):
+            break
+    assert ping(lab, 0, 1) and ping(lab, 1, 0)
+
+
+def test_hang_and_silent_node_are_undone_by_close() -> None:
+    teardown(NAME)
+    with Lab(LabConfig(name=NAME, hosts=2, rate_mbit=RATE, subnet="198.18.8.0/24")) as lab:
+        rank = lab.popen(1, ["sleep", "300"], env={"RANK": "1"})
+        time.sleep(0.2)
+        lab.inject(HangRank(1))
+        lab.inject(SilentNode(0))
+        time.sleep(0.2)
+        assert proc_state(rank.pid) == "T"
+    # Lab.close undid both before tearing down: the stopped rank was continued
+    # (then ended with the lab), nothing is left stopped.
+    assert not alive(rank.pid) or proc_state(rank.pid) != "T"
+    teardown(NAME)

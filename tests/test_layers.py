@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "interrupts": 0,
     "truth": 0,
     "cost": 0,
+    "progress": 0,
     # sources of records
     "emit": 1,
     "probes": 1,
@@ -101,4 +102,44 @@ def test_no_module_imports_a_higher_or_equal_layer() -> None:
                 continue
             if LAYERS.get(other, 99) >= LAYERS[me]:
                 bad.append(f"{path.relative_to(ROOT)}: {me} (layer {LAYERS[me]}) imports {other}")
+    assert bad == []
+
+
+# Inside detect: each rule is a pure module of its own, ordered by ``detector``.
+DETECT = PKG / "detect"
+DETECT_SHARED = {"config", "state", "stats"}  # what every rule may lean on
+DETECT_RULES = {"baseline", "noise", "compute", "network", "lost", "persistence"}
+IO_MODULES = {"os", "io", "pathlib", "socket", "subprocess", "time", "threading", "logging"}
+
+
+def detect_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(sibling modules of detect, stdlib top-level modules) that ``path`` imports."""
+    siblings: set[str] = set()
+    stdlib: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "fsdp_sentinel.detect":
+                siblings |= {a.name for a in node.names}
+            elif node.module.startswith("fsdp_sentinel.detect."):
+                siblings.add(node.module.split(".")[2])
+            else:
+                stdlib.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            stdlib |= {a.name.split(".")[0] for a in node.names}
+    return siblings, stdlib
+
+
+def test_detect_rules_are_independent_and_pure() -> None:
+    names = {p.stem for p in DETECT.glob("*.py")}
+    assert names >= DETECT_RULES, "a rule named here is missing from fsdp_sentinel/detect/"
+    bad: list[str] = []
+    for path in sorted(DETECT.glob("*.py")):
+        siblings, stdlib = detect_imports(path)
+        if path.stem in DETECT_RULES and siblings - DETECT_SHARED:
+            bad.append(f"rule {path.stem} imports {sorted(siblings - DETECT_SHARED)}")
+        if path.stem in DETECT_SHARED and siblings - DETECT_SHARED:
+            bad.append(f"{path.stem} imports {sorted(siblings - DETECT_SHARED)}")
+        # config reads its own file (DetectConfig.from_file); nothing else does I/O
+        if path.stem != "config" and stdlib & IO_MODULES:
+            bad.append(f"{path.stem} imports {sorted(stdlib & IO_MODULES)}")
     assert bad == []

@@ -110,6 +110,22 @@ def test_rows_worst_first_with_their_figures() -> None:
     assert "network 1" in text and "ingest dropped 2 (malformed 1)" in text
 
 
+def test_a_network_verdict_says_host_or_link() -> None:
+    from dataclasses import replace
+
+    ranks = list(SNAP.ranks)
+    i = next(i for i, r in enumerate(ranks) if r.rank == 2)
+    ranks[i] = replace(ranks[i], scope="link", peer_rank=3)
+    text = render_text(replace(SNAP, ranks=tuple(ranks)), width=200, now=SNAP.t + 3)
+    row = next(ln.split() for ln in lines(text) if ln.split()[:1] == ["2"])
+    assert row[-3:] == ["flagged", "net", "link>3"]  # check the path to rank 3
+    ranks[i] = replace(ranks[i], scope="node", peer_rank=3)
+    text = render_text(replace(SNAP, ranks=tuple(ranks)), width=200, now=SNAP.t + 3)
+    row = next(ln.split() for ln in lines(text) if ln.split()[:1] == ["2"])
+    assert row[-3:] == ["flagged", "net", "node"]
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+
+
 def test_flagged_and_lost_rows_are_highlighted() -> None:
     group = render(SNAP, sort="rank")
     assert isinstance(group, Group)

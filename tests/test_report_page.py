@@ -16,6 +16,20 @@ T0 = 1_700_000_000.0
 PLOTS = ("timeline", "computewait", "peers", "matrix")
 
 
+def coll(rank: int, step: int, issue: float, end: float) -> dict:
+    """One all-gather per step (``seq`` = step), as a rank's hooks record it."""
+    return {
+        "kind": "coll",
+        "rank": rank,
+        "step": step,
+        "seq": step,
+        "op": "all_gather",
+        "bytes": 64,
+        "issue": issue,
+        "end": end,
+    }
+
+
 def full_trace(path: Path, host0: str = "fss-rp-h0") -> Path:
     """Two ranks, ten steps, flows both ways, one fault, one flag/clear, one action."""
     with TraceWriter(path) as w:
@@ -34,20 +48,12 @@ def full_trace(path: Path, host0: str = "fss-rp-h0") -> Path:
         t = T0 + 1
         for s in range(10):
             d = 1.0 if 4 <= s < 7 else 0.3
+            # In time order, as the daemon receives them: every rank's
+            # collectives of the step end before any rank's step does.
+            for r in range(2):
+                w.write(coll(r, s, t + 0.1, t + d - 0.05))
             for r in range(2):
                 w.write({"kind": "step", "rank": r, "step": s, "start": t, "end": t + d})
-                w.write(
-                    {
-                        "kind": "coll",
-                        "rank": r,
-                        "step": s,
-                        "seq": s,
-                        "op": "all_gather",
-                        "bytes": 64,
-                        "issue": t + 0.1,
-                        "end": t + d - 0.05,
-                    }
-                )
                 w.write(
                     {
                         "kind": "flow",
@@ -188,7 +194,19 @@ def test_cli_merges_per_rank_traces(tmp_path: Path) -> None:
     a, b = tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"
     for r, path in ((0, a), (1, b)):
         with TraceWriter(path) as w:
+            w.write(
+                {
+                    "kind": "rank",
+                    "t": T0,
+                    "rank": r,
+                    "world_size": 2,
+                    "host": "h",
+                    "pid": 10 + r,
+                    "addrs": [],
+                }
+            )
             for s in range(4):
+                w.write(coll(r, s, T0 + s + 0.1, T0 + s + 0.3))
                 w.write(
                     {"kind": "step", "rank": r, "step": s, "start": T0 + s, "end": T0 + s + 0.4}
                 )

@@ -67,12 +67,18 @@ def test_scenario_end_to_end(case: str, tmp_path: Path) -> None:
     if scenario == "clean":
         assert faults == [] and truth["stragglers"] == []
     else:
-        assert faults == [scenario.replace("-", "_")]
+        what = {"hang": "rank_hang"}.get(scenario, scenario.replace("-", "_"))
+        assert faults == [what]
         assert data.faults[0]["rank"] == 2
     if case.endswith("-transient"):
         assert truth["transient"] is True and truth["stragglers"] == []
     elif scenario != "clean":
-        cause = {"slow-compute": "compute", "rank-kill": "rank_lost"}.get(scenario, "network")
+        cause = {
+            "slow-compute": "compute",
+            "rank-kill": "rank_lost",
+            "hang": "hang",
+            "silent-node": "rank_lost",
+        }.get(scenario, "network")
         assert [(e["rank"], e["cause"]) for e in truth["stragglers"]] == [(2, cause)]
     assert (out / "report.html").stat().st_size > 20_000
     keep = os.environ.get("FSS_CAPTURE_DIR")

@@ -51,15 +51,19 @@ def truth(
         if cause is None or transient:
             continue
         onset, end = fault_steps(data, f)
-        expect.append(
-            {
-                "rank": f["rank"],
-                "cause": cause,
-                "onset_step": onset,
-                "end_step": end,
-                "what": f["what"],
-            }
-        )
+        e: dict[str, Any] = {
+            "rank": f["rank"],
+            "cause": cause,
+            "onset_step": onset,
+            "end_step": end,
+            "what": f["what"],
+            "onset_t": f["t"],
+        }
+        peer = (f.get("params") or {}).get("peer_rank")
+        if f["what"] == "slow_path" and peer is not None:
+            # A path has two ends; the verdict may name either (truth.judge).
+            e.update(peer_rank=peer, scope="link")
+        expect.append(e)
     return {
         "scenario": scenario,
         "source": source,

@@ -161,8 +161,8 @@ class _FaultDriver:
         self.meter: Any = None
         self.calibration: dict[str, Any] | None = None
         self.measured_from = 0
-        self.duration = None if cfg.fault_seconds is not None else cfg.duration()
-        self.seconds = cfg.fault_seconds
+        self.seconds = cfg.fault_seconds if cfg.fault_seconds is not None else cfg.plan.seconds
+        self.duration = None if self.seconds is not None else cfg.duration()
         self.injected_at: float | None = None
         self.active = False
         self.records: list[dict[str, Any]] = []
@@ -379,6 +379,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 def _finish(cfg: DemoConfig, result: DemoResult) -> None:
     """Truth file, report and summary from the trace the daemon wrote."""
     from fsdp_sentinel.demo.outcome import classify, fault_steps, summary_lines, truth
+    from fsdp_sentinel.demo.scenarios import STALL_CAUSES
     from fsdp_sentinel.detect import DetectConfig
     from fsdp_sentinel.report import load, write_report
 
@@ -389,13 +390,17 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
     data = load([result.trace], strict=False)
     result.data = data
     dc = DetectConfig()
-    if cfg.fault_seconds is None:
+    if cfg.fault_seconds is None and cfg.plan.seconds is None:
         duration = cfg.duration()
     else:  # a timed fault: the steps it really covered, from the trace
         spans = [fault_steps(data, f) for f in data.faults]
         ends = [(on, end) for on, end in spans if on is not None and end is not None]
         duration = max((end - on + 1 for on, end in ends), default=None)
-    transient = cfg.plan.what is not None and is_transient(duration, dc.window, dc.flag_after)
+    transient = (
+        cfg.plan.what is not None
+        and cfg.plan.cause not in STALL_CAUSES
+        and is_transient(duration, dc.persistence.window, dc.persistence.flag_after)
+    )
     result.truth = truth(
         data,
         scenario=cfg.scenario,

@@ -18,12 +18,19 @@ from typing import Any
 #: The lab's fault ``what`` -> the cause a correct detector reports.
 CAUSE_OF = {
     "slow_link": "network",
+    "slow_path": "network",
     "noisy_neighbor": "network",
     "packet_loss": "network",
     "slow_compute": "compute",
     "compute_stall": "compute",
     "rank_kill": "rank_lost",
+    "rank_hang": "hang",
+    "silent_node": "rank_lost",
 }
+
+#: Causes judged on the clock, not by persistence over steps: a fault of
+#: theirs is never too short to be flagged (it stops the job while it lasts).
+STALL_CAUSES = frozenset({"hang", "rank_lost"})
 
 
 @dataclass(frozen=True)
@@ -31,12 +38,14 @@ class Scenario:
     """One demo scenario.
 
     ``onset``: the step during which the fault is injected; ``duration``:
-    steps it lasts (None: to the end of the run); ``steps``: default run
-    length. ``make(victim)`` builds the lab fault (None for a clean run).
-    ``slowdown``: for a fault whose effect depends on the machine (a CPU
-    quota), the intended stretch of the victim's step; the demo measures the
-    victim's use in the clean steps before the onset and sizes the fault to
-    give it (``demo.calibrate``). None: the fault is the same on any machine.
+    steps it lasts (None: to the end of the run); ``seconds``: instead, the
+    seconds it lasts (a fault that stops the job makes no steps to count);
+    ``steps``: default run length. ``make(victim)`` builds the lab fault
+    (None for a clean run). ``slowdown``: for a fault whose effect depends on
+    the machine (a CPU quota), the intended stretch of the victim's step; the
+    demo measures the victim's use in the clean steps before the onset and
+    sizes the fault to give it (``demo.calibrate``). None: the fault is the
+    same on any machine.
     """
 
     name: str
@@ -47,6 +56,7 @@ class Scenario:
     duration: int | None = 10
     steps: int = 24
     slowdown: float | None = None
+    seconds: float | None = None
 
     @property
     def cause(self) -> str | None:
@@ -57,6 +67,13 @@ def _slow_link(victim: int) -> Any:
     from fsdp_sentinel.lab import SlowLink
 
     return SlowLink(victim, rate_mbit=150.0)
+
+
+def _slow_path(victim: int) -> Any:
+    from fsdp_sentinel.lab import SlowPath
+
+    # Only the path between the victim's host and the next one in the ring.
+    return SlowPath(victim, rate_mbit=150.0)
 
 
 def _noisy_neighbor(victim: int) -> Any:
@@ -88,6 +105,18 @@ def _packet_loss(victim: int) -> Any:
     return PacketLoss(victim, p=0.1)
 
 
+def _rank_hang(victim: int) -> Any:
+    from fsdp_sentinel.lab import HangRank
+
+    return HangRank(victim)
+
+
+def _silent_node(victim: int) -> Any:
+    from fsdp_sentinel.lab import SilentNode
+
+    return SilentNode(victim)
+
+
 def _rank_kill(victim: int) -> Any:
     from fsdp_sentinel.lab import KillRank
 
@@ -102,6 +131,12 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "slow-link", "one host's link cut from 1 Gbit/s to 150 Mbit/s", "slow_link", _slow_link
+        ),
+        Scenario(
+            "slow-path",
+            "the path between two hosts (a cable, a port) cut to 150 Mbit/s, both ways",
+            "slow_path",
+            _slow_path,
         ),
         Scenario(
             "noisy-neighbor",
@@ -132,6 +167,24 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "rank-kill", "one rank is killed (SIGKILL)", "rank_kill", _rank_kill, duration=None
+        ),
+        Scenario(
+            "hang",
+            "one rank hangs (SIGSTOP, its sockets open) for 6 s, then goes on",
+            "rank_hang",
+            _rank_hang,
+            duration=None,
+            seconds=6.0,
+            steps=16,
+        ),
+        Scenario(
+            "silent-node",
+            "one host is cut off (its switch port down, no reset) for 5 s",
+            "silent_node",
+            _silent_node,
+            duration=None,
+            seconds=5.0,
+            steps=16,
         ),
     )
 }
@@ -182,6 +235,7 @@ QUICK_RUNS: dict[str, list[str]] = {
     "slow-link-transient": [
         "--scenario", "slow-link", "--steps", "10", "--onset", "6", "--fault-seconds", "0.3",
     ],
+    "slow-path": ["--scenario", "slow-path", "--steps", "15", "--onset", "6", "--fault-steps", "6"],
     "noisy-neighbor": [
         "--scenario", "noisy-neighbor", "--steps", "15", "--onset", "6", "--fault-steps", "6",
     ],
@@ -192,4 +246,6 @@ QUICK_RUNS: dict[str, list[str]] = {
         "--scenario", "packet-loss", "--steps", "15", "--onset", "6", "--fault-steps", "6",
     ],
     "rank-kill": ["--scenario", "rank-kill", "--steps", "10", "--onset", "6"],
+    "hang": ["--scenario", "hang", "--steps", "12", "--onset", "6"],
+    "silent-node": ["--scenario", "silent-node", "--steps", "12", "--onset", "6"],
 }  # fmt: skip

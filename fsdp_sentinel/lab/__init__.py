@@ -11,16 +11,20 @@ from __future__ import annotations
 from fsdp_sentinel.lab.config import LabConfig, LabError, LabHost
 from fsdp_sentinel.lab.faults import (
     Fault,
+    HangRank,
     KillRank,
     NoisyNeighbor,
     PacketLoss,
+    SilentNode,
     SlowCompute,
     SlowLink,
+    SlowPath,
 )
 from fsdp_sentinel.lab.topology import Lab
 
 __all__ = [
     "Fault",
+    "HangRank",
     "KillRank",
     "Lab",
     "LabConfig",
@@ -28,6 +32,8 @@ __all__ = [
     "LabHost",
     "NoisyNeighbor",
     "PacketLoss",
+    "SilentNode",
     "SlowCompute",
     "SlowLink",
+    "SlowPath",
 ]

@@ -3,8 +3,9 @@
 Callers decide onset and end (a step or a time) and call ``Lab.inject(fault)``
 / ``Lab.clear(fault)``, which return the trace-v1 ``fault`` records, so a
 trace carries its own ground truth. ``what`` names (stable, used by
-detection's truth files): ``slow_link``, ``noisy_neighbor``, ``slow_compute``,
-``packet_loss``, ``rank_kill``.
+detection's truth files): ``slow_link``, ``slow_path``, ``noisy_neighbor``,
+``slow_compute``, ``packet_loss``, ``rank_kill``, ``rank_hang`` (SIGSTOP),
+``silent_node`` (the switch's end of the host's link down).
 
 Stacking: a host's link may carry a rate (tbf) and packet loss (clsact, on
 the switch's port; one packet-loss fault per host at a time) at once; a
@@ -69,6 +70,100 @@ class SlowLink:
     def undo(self, lab: Lab, state: Any) -> None:
         for end in state:
             lab.reset_rate(end)
+
+
+@dataclass(eq=False)
+class SlowPath:
+    """Only the path between the host and ``peer`` drops to ``rate_mbit``, both ways:
+    a bad cable, port or switch path between two nodes. Each end's other
+    traffic keeps the lab's rate.
+
+    On each end's egress an HTB hangs under the link's tbf (``parent 1:1``;
+    at the root on an unshaped lab) with two classes: the default at the
+    lab's rate, and the slow one, which a u32 filter on the other end's
+    address feeds. ``peer`` None: the next host in the ring (a ring
+    neighbour, so the job's traffic crosses the path).
+    """
+
+    host: HostArg
+    rate_mbit: float
+    peer: HostArg | None = None
+    what: ClassVar[str] = "slow_path"
+
+    HANDLE: ClassVar[str] = "10:"
+
+    def ends(self, lab: Lab) -> tuple[LabHost, LabHost]:
+        h = lab.host(self.host)
+        peer = self.peer if self.peer is not None else (h.index + 1) % len(lab.hosts)
+        p = lab.host(peer)
+        if p is h:
+            raise LabError("SlowPath needs two different hosts")
+        return h, p
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        if not self.rate_mbit > 0:
+            raise LabError("SlowPath rate_mbit must be > 0")
+        h, p = self.ends(lab)
+        done: list[tuple[str, str, str]] = []
+        try:
+            for src, dst in ((h, p), (p, h)):
+                end = (src.netns, src.ifname)
+                base = lab.rate(end) or 10_000.0
+                parent = ["parent", "1:1"] if lab.rate(end) else ["root"]
+                tc = ["ip", "netns", "exec", src.netns, "tc"]
+                dev = ["dev", src.ifname]
+                cmds = [
+                    [*tc, "qdisc", "add", *dev, *parent, "handle", self.HANDLE, "htb", "default", "1"],
+                    [*tc, "class", "add", *dev, "parent", self.HANDLE, "classid", "10:1",
+                     "htb", "rate", f"{base}mbit", "ceil", f"{base}mbit", "quantum", "60000"],
+                    [*tc, "class", "add", *dev, "parent", self.HANDLE, "classid", "10:2",
+                     "htb", "rate", f"{self.rate_mbit}mbit", "ceil", f"{self.rate_mbit}mbit",
+                     "quantum", "60000"],
+                    [*tc, "filter", "add", *dev, "parent", self.HANDLE, "protocol", "ip",
+                     "prio", "1", "u32", "match", "ip", "dst", f"{dst.addr}/32", "flowid", "10:2"],
+                ]  # fmt: skip
+                done.append((*end, "1:1" if lab.rate(end) else "root"))
+                for cmd in cmds:
+                    subprocess.run(cmd, check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as e:
+            self.undo(lab, done)
+            raise LabError(f"tc failed: {' '.join(e.cmd)}: {e.stderr.strip()}") from e
+        except BaseException:
+            self.undo(lab, done)
+            raise
+        params = {
+            "rate_mbit": self.rate_mbit,
+            "peer_host": p.name,
+            "peer_rank": p.index,
+            "peer_addr": p.addr,
+            "base_rate_mbit": lab.config.rate_mbit,
+        }
+        return params, done
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        """Take the HTB off each end: under a tbf, the tbf's own inner queue goes back
+        in its place (deleting it would leave ``noop``, which drops everything);
+        at the root, deleting it restores the default qdisc."""
+        for netns, ifname, parent in state:
+            if parent != "root":
+                try:
+                    lab.restore_tbf_queue((netns, ifname))
+                except subprocess.CalledProcessError as e:
+                    if not _gone(e.stderr):
+                        raise LabError(f"tc on {netns}/{ifname}: {e.stderr.strip()}") from e
+                continue
+            res = subprocess.run(
+                ["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", ifname, "root"],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if res.returncode and not _gone(res.stderr):
+                raise LabError(f"tc qdisc del on {netns}/{ifname}: {res.stderr.strip()}")
+
+
+def _gone(stderr: str) -> bool:
+    """tc's words for a namespace, link or qdisc that is gone already (the lab torn
+    down first): fine to find on cleanup, nothing else is."""
+    return any(w in stderr for w in ("No such", "Cannot find", "Invalid handle", "Cannot open"))
 
 
 class _Procs:
@@ -266,3 +361,67 @@ class KillRank:
 
     def undo(self, lab: Lab, state: Any) -> None:
         """Nothing to undo: a killed rank stays dead (the record just gets its ``end``)."""
+
+
+# ---------------------------------------------------------------- hangs and silent loss
+
+
+@dataclass(eq=False)
+class HangRank:
+    """SIGSTOP the host's rank process(es), SIGCONT on clear: a hung rank.
+
+    Like a deadlocked rank or a hung GPU, the process stops sending and
+    receiving but its sockets stay open (the kernel keeps them, with no FIN
+    or RST), so the other ranks block in their next collective until gloo's
+    timeout. Its hooks' sender thread stops too, so it sends no ``pending``
+    record: that is what tells it from the ranks waiting for it.
+    """
+
+    host: HostArg
+    what: ClassVar[str] = "rank_hang"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        victims = rank_pids(lab.cgroup_pids(self.host))
+        if not victims:
+            raise LabError(
+                f"no rank process (RANK in its environment) in {lab.host(self.host).cgroup}"
+            )
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return {"pids": victims, "signal": "SIGSTOP"}, victims
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        # A stopped process left so would hang its job (and its cleanup) for good.
+        for pid in state:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+@dataclass(eq=False)
+class SilentNode:
+    """The host is cut off: the switch's end of its link set down, up on clear.
+
+    As a node that loses power or its cable: nothing it sends arrives and
+    nothing reaches it, and neither side sees a FIN or RST (the host's own
+    end stays configured; TCP just retransmits into the void). No reset is
+    sent and the link's qdiscs are left as they are.
+    """
+
+    host: HostArg
+    what: ClassVar[str] = "silent_node"
+
+    def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
+        h = lab.host(self.host)
+        _set_link(lab, lab.switch_netns, h.switch_ifname, "down")
+        return {"netns": lab.switch_netns, "dev": h.switch_ifname}, h.switch_ifname
+
+    def undo(self, lab: Lab, state: Any) -> None:
+        _set_link(lab, lab.switch_netns, state, "up")
+
+
+def _set_link(lab: Lab, netns: str, ifname: str, state: str) -> None:
+    from fsdp_sentinel.lab import netlink
+
+    with lab.netlink_handle(netns) as ipr:
+        ipr.link("set", index=netlink.index_of(ipr, ifname), state=state)

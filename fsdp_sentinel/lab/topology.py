@@ -76,6 +76,7 @@ class Lab:
         self._clock = clock
         self._procs: list[subprocess.Popen[Any]] = []
         self._tbf: dict[LinkEnd, tuple[float, int]] = {}  # end -> (rate_mbit, burst)
+        self._tbf_limit: dict[LinkEnd, int] = {}  # end -> the tbf's queue limit, bytes
         # Keyed by the fault object itself (faults hash by identity), which also
         # keeps it alive while in force.
         self._active: dict[Fault, _Active] = {}
@@ -211,6 +212,19 @@ class Lab:
         with netlink.handle(self._ipr_factory, netns) as ipr:
             netlink.set_tbf(ipr, ifname, rate_mbit, burst, limit)
         self._tbf[end] = (rate_mbit, burst)
+        self._tbf_limit[end] = limit
+
+    def restore_tbf_queue(self, end: LinkEnd) -> None:
+        """Give a shaped end's tbf its own inner queue back (a bfifo of the tbf's limit)
+        in place of a child qdisc a fault hung under it. Deleting the child is
+        not the same: the kernel then grafts ``noop``, which drops every packet."""
+        netns, ifname = end
+        limit = self._tbf_limit[end]
+        subprocess.run(
+            ["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", ifname,
+             "parent", "1:1", "bfifo", "limit", str(limit)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
 
     def rate(self, end: LinkEnd) -> float | None:
         got = self._tbf.get(end)

@@ -39,9 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load(paths: Sequence[str | os.PathLike[str]], strict: bool = True) -> model.ReportData:
     """Read and merge ``paths`` and summarise them for the report."""
-    from fsdp_sentinel.trace import merge_traces, read_trace
+    from fsdp_sentinel.progress import ProgressLine, counted, wanted
+    from fsdp_sentinel.trace import TraceReader, merge_traces
 
-    return model.build(merge_traces([read_trace(p, strict=strict) for p in paths]))
+    readers = [TraceReader(p, strict=strict) for p in paths]
+    total = sum(os.path.getsize(p) for p in paths)
+    bar = (
+        ProgressLine(total, lambda: sum(r.bytes_read() for r in readers)) if wanted(total) else None
+    )
+    return model.build(counted(merge_traces(readers), bar))
 
 
 def write_report(

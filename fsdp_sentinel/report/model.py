@@ -1,26 +1,32 @@
 """What the HTML report shows, computed from trace records (pure; no I/O, no plotting).
 
-:func:`build` turns a stream of trace-v1 records into a :class:`ReportData`:
-per-rank steps with their compute/wait split, per-peer throughput and srtt
-series, flagged spans from verdicts, and the verdict, action and fault tables.
-Both the report page and the demo's end-of-run summary read it, so the figures
-a user sees in the terminal and in the HTML agree.
+:func:`build` runs the records through the detection :class:`~fsdp_sentinel.pipeline.Pipeline`
+and draws every figure from what the pipeline itself computed, so the report,
+``/metrics`` and the verdicts can never disagree about a step: per-rank steps
+with the compute/wait split the detector judged, per-peer throughput and srtt
+series from the flows as the correlator attributed them, flagged spans from
+verdicts, and the verdict, action and fault tables. Both the report page and
+the demo's end-of-run summary read it, so the figures a user sees in the
+terminal and in the HTML agree.
 
 Definitions (the report's legend repeats them):
 
-- *wait* of a step: the length of the union of that rank's ``coll``
-  ``[issue, end]`` intervals for the step, clipped to the step's
-  ``[start, end]``; *compute* is the step time minus the wait.
+- *wait* of a step: the correlator's blocked time for that rank and step (the
+  union of its ``coll`` ``[issue, end]`` intervals); *compute* is the step
+  time minus the wait. Steps the pipeline never summarised (their ``step``
+  record came after the step was judged) are not shown.
 - a *flagged span*: from a rank's ``flagged`` verdict to its next ``cleared``
   verdict; when none follows it is *open at end*, and runs to the end of the
   job's last step (a lost or hung rank's: to the end of the trace, the job
-  being stopped from then on).
+  being stopped from then on). The verdicts are the trace's own (what the
+  daemon said live); a trace without any shows the verdicts the pipeline
+  gives it in replay (``verdicts_replayed``).
 - times on the page count from the job's first step (``origin``), not from
   the first probe record, which may come long before the job starts.
-- per-peer figures: flows mapped to ``(rank, peer_rank)``, taken from the flow
-  record's own ``rank``/``peer_rank`` when present, otherwise from the ``rank``
-  records (``(host, pid)`` -> rank for the local end, ``addrs`` -> rank for the
-  remote address). Throughput is the bytes a rank sent to the peer per second.
+- per-peer figures: flows under the ``(rank, peer_rank)`` pair the
+  correlator filed them under (``flows_unmapped``: those it could not).
+  Throughput is the bytes a rank sent to the peer per second; the srtt of one
+  poll's flows of a pair is weighted by bytes, as the detector weighs them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_sentinel.correlate import RankStep, weighted_srtt
+from fsdp_sentinel.detect import DetectConfig
+from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.trace import record_time
 
 Record = dict[str, Any]
@@ -106,6 +115,7 @@ class ReportData:
     spans: list[Span] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
     flows_unmapped: int = 0
+    verdicts_replayed: bool = False
     t0: float = 0.0
     t1: float = 0.0
 
@@ -193,31 +203,16 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def union_length(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> float:
-    """Length of the union of ``intervals`` clipped to ``[lo, hi]``."""
-    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals)
-    total = 0.0
-    cur_a = cur_b = None
-    for a, b in clipped:
-        if b <= a:
-            continue
-        if cur_b is None or a > cur_b:
-            if cur_b is not None and cur_a is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None and cur_a is not None:
-        total += cur_b - cur_a
-    return total
-
-
-def _ip(endpoint: str) -> str:
-    """``"1.2.3.4:80"`` -> ``"1.2.3.4"``; ``"[::1]:80"`` -> ``"::1"``."""
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        return endpoint
-    return host.strip("[]")
+def cause_text(v: Record) -> str:
+    """A verdict's cause as the report says it: a network verdict says whether the
+    host or the path between two ranks is to blame (its evidence's ``scope``)."""
+    cause = str(v.get("cause", ""))
+    scope = (v.get("evidence") or {}).get("scope")
+    if cause != "network" or scope is None:
+        return cause
+    if scope == "link":
+        return f"network: link rank {v['rank']} - rank {v.get('peer_rank')} (check the cable, port, switch path)"
+    return f"network: node (check the host{' ' + str(v['host']) if v.get('host') else ''})"
 
 
 def _spans(verdicts: list[Record], last_step_end: float, trace_end: float) -> list[Span]:
@@ -250,65 +245,36 @@ def _spans(verdicts: list[Record], last_step_end: float, trace_end: float) -> li
     return out
 
 
-class _FlowMapper:
-    """Maps a flow record to ``(rank, peer_rank)`` (either may stay None)."""
+class _Collector:
+    """The pipeline's observer: its step figures and its flows' pairs, kept for the report."""
 
-    def __init__(self, ranks: dict[int, RankInfo]) -> None:
-        self.by_host_pid: dict[tuple[str, Any], int] = {
-            (r.host, r.pid): r.rank for r in ranks.values() if r.pid is not None
-        }
-        pids = Counter(r.pid for r in ranks.values() if r.pid is not None)
-        # A pid alone names a rank only when no two ranks share it (ranks in
-        # separate pid namespaces could).
-        self.by_pid: dict[Any, int] = {
-            r.pid: r.rank for r in ranks.values() if r.pid is not None and pids[r.pid] == 1
-        }
-        # Likewise an address names a rank only when one rank alone owns it
-        # (ranks sharing one host share its addresses).
-        owners = Counter(a for r in ranks.values() for a in set(r.addrs))
-        self.by_addr = {a: r.rank for r in ranks.values() for a in r.addrs if owners[a] == 1}
+    def __init__(self) -> None:
+        self.steps: dict[tuple[int, int], RankStep] = {}
+        # One probe poll gives every flow the same t: (pair, t) -> that poll's flows.
+        self.flows: dict[tuple[int, int], dict[float, list[Record]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
 
-    def __call__(self, rec: Record) -> tuple[int | None, int | None]:
-        rank = rec.get("rank")
-        if rank is None:
-            rank = self.by_host_pid.get((rec.get("host", ""), rec.get("pid")))
-        if rank is None:
-            rank = self.by_pid.get(rec.get("pid"))
-        if rank is None:
-            rank = self.by_addr.get(_ip(str(rec.get("src", ""))))
-        peer = rec.get("peer_rank")
-        if peer is None:
-            peer = self.by_addr.get(_ip(str(rec.get("dst", ""))))
-        return rank, peer
+    def on_step(self, step: int, ranks: tuple[RankStep, ...]) -> None:
+        for rs in ranks:
+            self.steps[(rs.rank, step)] = rs
 
+    def on_flow(self, rec: Record, pair: tuple[int, int]) -> None:
+        self.flows[pair][round(float(rec["t"]), 3)].append(rec)
 
-def _peer_series(
-    flows: list[Record], mapper: _FlowMapper
-) -> tuple[dict[tuple[int, int], list[PeerPoint]], int]:
-    # One probe poll gives every flow the same t; group by (pair, t) and sum.
-    buckets: dict[tuple[int, int], dict[float, list[Record]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
-    unmapped = 0
-    for rec in flows:
-        rank, peer = mapper(rec)
-        if rank is None or peer is None or rank == peer:
-            unmapped += 1
-            continue
-        buckets[(int(rank), int(peer))][round(float(rec["t"]), 3)].append(rec)
-    out: dict[tuple[int, int], list[PeerPoint]] = {}
-    for pair, by_t in sorted(buckets.items()):
-        pts = []
-        for t, recs in sorted(by_t.items()):
-            dt = max(float(r["dt"]) for r in recs) or 1.0
-            tx = sum(float(r["tx_bytes"]) for r in recs)
-            rx = sum(float(r["rx_bytes"]) for r in recs)
-            srtts = [float(r["srtt_us"]) for r in recs if r.get("srtt_us") is not None]
-            retrans = sum(int(r.get("retrans") or 0) for r in recs)
-            srtt = statistics.fmean(srtts) if srtts else None
-            pts.append(PeerPoint(t, tx / dt, rx / dt, srtt, retrans))
-        out[pair] = pts
-    return out, unmapped
+    def peer_series(self) -> dict[tuple[int, int], list[PeerPoint]]:
+        out: dict[tuple[int, int], list[PeerPoint]] = {}
+        for pair, by_t in sorted(self.flows.items()):
+            pts = []
+            for t, recs in sorted(by_t.items()):
+                dt = max(float(r["dt"]) for r in recs) or 1.0
+                tx = sum(float(r["tx_bytes"]) for r in recs)
+                rx = sum(float(r["rx_bytes"]) for r in recs)
+                srtt = weighted_srtt((r.get("srtt_us"), int(r["tx_bytes"])) for r in recs)
+                retrans = sum(int(r.get("retrans") or 0) for r in recs)
+                pts.append(PeerPoint(t, tx / dt, rx / dt, srtt, retrans))
+            out[pair] = pts
+        return out
 
 
 def merge_faults(faults: Iterable[Record]) -> list[Record]:
@@ -321,14 +287,23 @@ def merge_faults(faults: Iterable[Record]) -> list[Record]:
     return list(by_key.values())
 
 
-def build(records: Iterable[Record]) -> ReportData:
-    """Summarise a (merged, time-ordered) record stream for the report."""
+def build(records: Iterable[Record], config: DetectConfig | None = None) -> ReportData:
+    """Summarise a (merged, time-ordered) record stream for the report.
+
+    The records go through a :class:`Pipeline` (``config``: its thresholds,
+    for the verdicts of a trace that has none recorded); every step and flow
+    figure is the pipeline's own.
+    """
     data = ReportData()
+    seen = _Collector()
+    pipe = Pipeline(config, observer=seen)
+    replayed: list[Record] = []
     step_recs: list[Record] = []
-    colls: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
-    flows: list[Record] = []
     lo, hi = float("inf"), float("-inf")
     for rec in records:
+        out = pipe.feed(rec)
+        if out:
+            replayed.extend(out)
         kind = rec.get("kind", "")
         data.counts[kind] += 1
         if kind == "header":
@@ -349,27 +324,26 @@ def build(records: Iterable[Record]) -> ReportData:
             )
         elif kind == "step":
             step_recs.append(rec)
-        elif kind == "coll":
-            colls[(int(rec["rank"]), int(rec["step"]))].append(
-                (float(rec["issue"]), float(rec["end"]))
-            )
-        elif kind == "flow":
-            flows.append(rec)
         elif kind in ("verdict", "action", "fault"):
             getattr(data, kind + "s").append(rec)
+    pipe.summarise_pending()
     if lo <= hi:
         data.t0, data.t1 = lo, hi
     for rec in step_recs:
         key = (int(rec["rank"]), int(rec["step"]))
+        rs = seen.steps.get(key)
+        if rs is None or rs.step_s is None:
+            continue  # the pipeline never judged it (late); nor do we show it
         start, end = float(rec["start"]), float(rec["end"])
-        ivs = colls.get(key, [])
-        data.steps.append(
-            StepRow(key[0], key[1], start, end, union_length(ivs, start, end), len(ivs))
-        )
+        data.steps.append(StepRow(key[0], key[1], start, end, rs.wait_s, rs.n_coll))
+        del seen.steps[key]  # a step record delivered twice is one row
     data.steps.sort(key=lambda s: (s.rank, s.step))
     data.faults = merge_faults(data.faults)
+    if not data.verdicts and replayed:
+        data.verdicts, data.verdicts_replayed = replayed, True
     for kind in ("verdicts", "actions", "faults"):
         getattr(data, kind).sort(key=lambda r: float(r["t"]))
     data.spans = _spans(data.verdicts, data.job_end(), data.t1)
-    data.peers, data.flows_unmapped = _peer_series(flows, _FlowMapper(data.ranks))
+    data.peers = seen.peer_series()
+    data.flows_unmapped = pipe.stats["unattributed_flows"]
     return data

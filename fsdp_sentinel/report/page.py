@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdp_sentinel.cost import describe_cost
 from fsdp_sentinel.report import plots
-from fsdp_sentinel.report.model import ReportData
+from fsdp_sentinel.report.model import ReportData, cause_text
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; max-width: 1150px;
@@ -99,7 +99,7 @@ def _findings(data: ReportData) -> str:
     if not flags:
         return "no rank flagged"
     return "; ".join(
-        f"rank {v['rank']} flagged at step {v['step']} (cause: {v['cause']}, score {_fmt(v['score'], 2)})"
+        f"rank {v['rank']} flagged at step {v['step']} (cause: {cause_text(v)}, score {_fmt(v['score'], 2)})"
         for v in flags
     )
 
@@ -204,6 +204,12 @@ def _verdict_table(data: ReportData) -> str:
         return _note(
             "No verdict records in this trace: nothing was flagged (or detection did not run)."
         )
+    head = ""
+    if data.verdicts_replayed:
+        head = _note(
+            "The trace holds no verdict records: these are the verdicts a replay of it"
+            " gives (fsdp-sentinel replay, default thresholds)."
+        )
     rows = [
         (
             _rel(data, v["t"]),
@@ -211,7 +217,7 @@ def _verdict_table(data: ReportData) -> str:
             v["rank"],
             v.get("host"),
             v["state"],
-            v["cause"],
+            cause_text(v),
             v["score"],
             v.get("peer_rank"),
             describe_cost((v.get("evidence") or {}).get("cost")) or None,
@@ -222,7 +228,7 @@ def _verdict_table(data: ReportData) -> str:
     headers = (
         "t (s)", "step", "rank", "host", "state", "cause", "score", "peer", "cost", "evidence",
     )  # fmt: skip
-    return _table(headers, rows, lambda i: "flagged" if rows[i][4] == "flagged" else "")
+    return head + _table(headers, rows, lambda i: "flagged" if rows[i][4] == "flagged" else "")
 
 
 def _action_table(data: ReportData) -> str:
@@ -287,7 +293,8 @@ def render(data: ReportData, paths: Sequence[str], title: str | None = None) -> 
             _plot(plots.compute_wait(data), "computewait", no_steps)
             + _note(
                 "Wait: time inside the rank's collectives during the step (union of coll"
-                " issue..end); compute: step time minus wait."
+                " issue..end), as the detector and /metrics count it; compute: step time"
+                " minus wait."
             ),
             "computewait",
         ),

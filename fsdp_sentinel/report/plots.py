@@ -15,7 +15,12 @@ from typing import Any
 
 from fsdp_sentinel.report.model import ReportData
 
-CAUSE_COLOURS = {"network": "#d62728", "compute": "#ff7f0e", "rank_lost": "#7f7f7f"}
+CAUSE_COLOURS = {
+    "network": "#d62728",
+    "compute": "#ff7f0e",
+    "rank_lost": "#7f7f7f",
+    "hang": "#8c564b",
+}
 #: Above this many ranks one line per rank is unreadable: step time becomes a
 #: ranks x steps heatmap, per-rank lines keep only the flagged ranks against
 #: the job's median and p10-p90 band, and per-peer lines only the worst pairs.

@@ -1,0 +1,120 @@
+"""Rule ``rank_lost``: a rank whose records stopped (pure).
+
+Lost when all its connections were closed or reset while the job was inside
+a step (or, between steps, it reset some of them: a process that dies does,
+one that exits in order does not), or when it has been silent for a long time
+while the others carried on. Heard from again, it is cleared.
+"""
+
+from __future__ import annotations
+
+from fsdp_sentinel.correlate import RankLiveness, Summary
+from fsdp_sentinel.detect.config import LostConfig
+from fsdp_sentinel.trace import Verdict
+
+
+def judge_lost(
+    summary: Summary, lost_before: dict[int, float], cfg: LostConfig, base: float | None
+) -> tuple[dict[int, float], list[Verdict]]:
+    """Ranks lost (or back) by this summary's time, and their verdicts.
+
+    ``lost_before`` maps each rank already lost to the ``last_t`` it had then;
+    the map returned is the new one (the input is not changed).
+    """
+    lost = dict(lost_before)
+    out: list[Verdict] = []
+    t = summary.t
+    live = summary.liveness
+    for lv in live:
+        if lv.rank in lost and lv.last_t > lost[lv.rank]:
+            del lost[lv.rank]
+            out.append(
+                Verdict(
+                    t,
+                    lv.done_step + 1,
+                    lv.rank,
+                    "cleared",
+                    "rank_lost",
+                    0.0,
+                    lv.host,
+                    None,
+                    {"heard_again_t": round(lv.last_t, 6)},
+                )
+            )
+    silence = max(cfg.lost_silence_s, cfg.lost_silence_steps * (base or 0.0))
+    torn: list[RankLiveness] = []
+    quiet: list[RankLiveness] = []
+    for lv in live:
+        if lv.rank in lost or lv.last_t <= 0.0:
+            continue
+        silent = t - lv.last_t
+        if (
+            lv.torn_peers
+            and lv.torn_peers >= lv.peers
+            and silent >= cfg.lost_grace_s
+            # Torn between steps is how every job ends, unless the rank reset
+            # its connections: an orderly exit closes them, a dead process's
+            # kernel resets the ones with data in flight.
+            and (summary.mid_step or lv.done_step < summary.job_done or lv.reset_peers)
+        ):
+            torn.append(lv)
+        elif t - max(lv.last_t, lv.pending_t) >= silence:
+            # A rank still sending pending records is alive, blocked; and the
+            # others carry on only by completing work (their last_t), not by
+            # waiting: after a job-wide stall the first rank to finish must
+            # not make every other look left behind.
+            heard = max(lv.last_t, lv.pending_t)
+            others = [o.last_t for o in live if o.rank != lv.rank and o.rank not in lost]
+            if others and max(others) >= heard + silence:
+                quiet.append(lv)
+    ambiguous = False
+    casualties: list[int] = []
+    if torn and lost_before:
+        torn = []  # the job is already down; later teardown is a consequence
+    if len(torn) > 1:
+        # A lost rank takes its peers down within milliseconds (their
+        # collectives fail and they exit), so several ranks torn in one
+        # judgement are one loss and its casualties. Suspects: those that
+        # reset their connections (died), then those whose own sockets closed
+        # (the probes saw that end go); of them, name the first to go.
+        suspects = torn
+        for sign in ("reset_peers", "self_closed"):
+            marked = [lv for lv in suspects if getattr(lv, sign)]
+            if marked and len(marked) < len(suspects):
+                suspects = marked
+        ambiguous = len(suspects) > 1 and len(torn) >= len(
+            [lv for lv in live if lv.rank not in lost]
+        )
+        first = min(suspects, key=lambda lv: (lv.torn_t or t, lv.last_t, lv.rank))
+        casualties = sorted(lv.rank for lv in torn if lv is not first)
+        torn = [first]
+    for lv in torn + quiet:
+        lost[lv.rank] = lv.last_t
+        ev: dict[str, object] = {
+            "silent_s": round(t - lv.last_t, 3),
+            "last_step": lv.done_step,
+            "torn_peers": lv.torn_peers,
+            "peers": lv.peers,
+        }
+        if lv.reset_peers:
+            ev["reset_peers"] = lv.reset_peers
+        if lv in quiet:
+            ev["others_continued"] = True
+        elif casualties:
+            ev["casualties"] = casualties
+        if ambiguous:
+            ev["unsure"] = "every rank lost its connections at once: picked the first to go quiet"
+        out.append(
+            Verdict(
+                t,
+                lv.done_step + 1,
+                lv.rank,
+                "flagged",
+                "rank_lost",
+                t - lv.last_t,
+                lv.host,
+                None,
+                ev,
+            )
+        )
+    return lost, out
