@@ -266,9 +266,7 @@ def test_someone_elses_root_qdisc_and_clsact_programs_are_left_alone(
         lab.set_rate((ns, dev), 400.0)
 
 
-def test_a_failed_netlink_call_is_a_failed_action_with_its_errno(
-    lab: Lab, tmp_path: Path
-) -> None:
+def test_a_failed_netlink_call_is_a_failed_action_with_its_errno(lab: Lab, tmp_path: Path) -> None:
     h = lab.hosts[1]
     cfg = RemediateConfig(devices=(DeviceRef(h.name, "fss-rt-nope", h.netns),),
                           state_dir=str(tmp_path))  # fmt: skip
@@ -285,7 +283,7 @@ CRASHER = textwrap.dedent(
     import json, sys, time
     from fsdp_sentinel.remediate import DeviceRef, RemediateConfig, TcRemediator
     host, ifname, netns, state, recs, v = json.loads(sys.argv[1])
-    cfg = RemediateConfig(devices=(DeviceRef(host, ifname, netns),), htb_major=%d,
+    cfg = RemediateConfig(devices=(DeviceRef(host, ifname, netns),), htb_major=MAJOR,
                           state_dir=state)
     rem = TcRemediator("apply", "vm", cfg)
     for r in recs:
@@ -293,8 +291,7 @@ CRASHER = textwrap.dedent(
     print(json.dumps(rem.on_verdict(v)), flush=True)
     time.sleep(600)
     """
-    % MAJOR
-)
+).replace("MAJOR,", f"{MAJOR},", 1)
 
 
 def test_after_a_sigkill_the_next_start_restores_the_device_first(
@@ -330,3 +327,22 @@ def test_after_a_sigkill_the_next_start_restores_the_device_first(
 
 def test_major_handle_is_the_configured_one() -> None:
     assert handle(MAJOR, 0x10) == 0x05EB0010
+
+
+def test_dry_run_records_the_exact_operations_and_changes_nothing(
+    lab: Lab, traffic: dict[str, Any], tmp_path: Path
+) -> None:
+    h = lab.hosts[1]
+    before = config_of(h.netns, h.ifname)
+    cfg = RemediateConfig(devices=(DeviceRef(h.name, h.ifname, h.netns),), htb_major=MAJOR,
+                          state_dir=str(tmp_path))  # fmt: skip
+    rem = TcRemediator("dry-run", "vm", cfg)
+    for rec in records(lab, 1, traffic["job"], time.time()):
+        rem.observe(rec)
+    (a,) = rem.on_verdict(verdict(lab, 1))
+    assert a["state"] == "dry_run" and a["where"] == "under tbf 1:"
+    assert a["ops"][0] == f"tc qdisc replace dev {h.ifname} parent 1:1 handle 5eb: htb default 32"
+    assert len(a["ops"]) == 5
+    assert config_of(h.netns, h.ifname) == before
+    assert not list(tmp_path.glob("remediation-*"))
+    assert [x["state"] for x in rem.close()] == ["dry_run"]  # the undo it would make

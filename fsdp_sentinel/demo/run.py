@@ -122,6 +122,15 @@ def _current_step(snap: Snapshot | None) -> int:
     return max(steps) + 1 if steps else 0
 
 
+def remediate_devices(lab: Any) -> list[str]:
+    """``--remediate-dev`` for each lab host's own link: the only devices the
+    demo's daemon may change (it serves every lab host, like a node daemon each)."""
+    out: list[str] = []
+    for h in lab.hosts:
+        out += ["--remediate-dev", f"{h.name}={h.netns}/{h.ifname}"]
+    return out
+
+
 def trainer_args(cfg: DemoConfig, socket_path: Path) -> list[str]:
     return [
         "--steps", str(cfg.total_steps()),
@@ -291,6 +300,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 remediate=cfg.remediate,
                 interval=cfg.interval,
                 probes=cfg.probes,
+                extra=remediate_devices(lab) if cfg.remediate != "off" else None,
             )
         )
         daemon.wait_ready()
