@@ -221,11 +221,17 @@ def _follow(
     timeout = cfg.timeout or 90.0 + 8.0 * total
     deadline = time.monotonic() + timeout
     flagged: dict[int, str] = {}
+    prioritised: set[tuple[str, str]] = set()
     step = 0
     while True:
         snap = daemon.snapshot()
         if snap is not None:
             progress.update(snap)
+            now_on = {(v.host, v.dev) for v in snap.remediation if v.active}
+            for host, dev in sorted(now_on ^ prioritised):
+                what = "prioritising the job's flows" if (host, dev) in now_on else "restored"
+                progress.event(f"tc: {what} on {host} {dev} at step {step}")
+            prioritised = now_on
             step = max(step, _current_step(snap))
             for r in snap.ranks:
                 state = f"{r.state}:{r.cause}" if r.state != "ok" else "ok"
