@@ -346,3 +346,45 @@ def test_dry_run_records_the_exact_operations_and_changes_nothing(
     assert config_of(h.netns, h.ifname) == before
     assert not list(tmp_path.glob("remediation-*"))
     assert [x["state"] for x in rem.close()] == ["dry_run"]  # the undo it would make
+
+
+def test_the_daemon_restores_a_crashed_runs_tree_at_start_and_records_it(
+    lab: Lab, traffic: dict[str, Any], tmp_path: Path
+) -> None:
+    """End to end: a remediator SIGKILLed with its tree in place (state in the real
+    /run/fsdp-sentinel), then ``fsdp-sentinel run --remediate apply`` on that device."""
+    from fsdp_sentinel.remediate.config import STATE_DIR
+    from fsdp_sentinel.trace import read_trace
+
+    h = lab.hosts[1]
+    before = config_of(h.netns, h.ifname)
+    arg = json.dumps([h.name, h.ifname, h.netns, STATE_DIR,
+                      records(lab, 1, traffic["job"], time.time()), verdict(lab, 1)])  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-c", CRASHER, arg], stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(p.stdout.readline() if p.stdout else "")[0]["state"] == "applied"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert config_of(h.netns, h.ifname) != before
+    trace_path, log = tmp_path / "t.jsonl", tmp_path / "daemon.log"
+    with open(log, "w") as out:
+        d = subprocess.Popen([sys.executable, "-m", "fsdp_sentinel", "run", "--no-probes",
+                              "--metrics-addr", "off", "--socket", str(tmp_path / "s.sock"),
+                              "--trace-out", str(trace_path), "--remediate", "apply",
+                              "--remediate-dev", f"{h.name}={h.netns}/{h.ifname}",
+                              "--interval", "0.2"], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in log.read_text() and time.monotonic() < deadline:
+            assert d.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert config_of(h.netns, h.ifname) == before  # restored before it was ready
+        time.sleep(0.5)  # a tick or two: the restore's record reaches the trace
+    finally:
+        d.send_signal(signal.SIGINT)
+        assert d.wait(timeout=30) == 0, log.read_text()
+    actions = [r for r in read_trace(trace_path) if r["kind"] == "action"]
+    assert [(a["what"], a["state"]) for a in actions] == [("restore", "rolled_back")]
+    assert actions[0]["dev"] == h.ifname and "gone" in actions[0]["why"]
+    assert not list(Path(STATE_DIR).glob(f"remediation-{h.netns}+*"))

@@ -128,10 +128,7 @@ def run_op(ipr: Any, idx: int, op: Op, dev: str, fd: int | None = None) -> None:
     if op.parent is not None:
         kw["parent"] = op.parent
     try:
-        if op.command == "replace-filter":
-            ipr.tc(op.command, op.kind, idx, op.handle, **kw)
-        else:
-            ipr.tc(op.command, op.kind, idx, op.handle, **kw)
+        ipr.tc(op.command, op.kind, idx, op.handle, **kw)
     except Exception as e:
         if op.command == "del" and _code(e) in GONE:
             return  # already gone (a crash mid-undo, or someone removed it)
