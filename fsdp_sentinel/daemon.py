@@ -90,7 +90,12 @@ class Remediator(Protocol):
     """Receives every verdict; returns the ``action`` records of what it did.
 
     ``close()`` undoes every change still in place (returning its
-    ``rolled_back`` actions); it is called once, at exit.
+    ``rolled_back`` actions); it is called once, at exit. A remediator may
+    also have ``observe(rec)`` (every input record, before the pipeline gets
+    it), ``tick()`` (once per poll, returning actions) and ``views()``
+    (``(host, dev, active)`` per managed device, for the snapshot); the
+    daemon calls them when present. ``on_verdict`` runs before the verdict is
+    written, so evidence it adds to the verdict is in the trace.
     """
 
     def on_verdict(self, verdict: Record) -> list[Record]: ...
@@ -107,17 +112,14 @@ class NullRemediator:
         return []
 
 
-def make_remediator(mode: str, host: str) -> Remediator:
-    """The remediator for ``--remediate MODE`` (``off`` is built in)."""
+def make_remediator(mode: str, host: str, **options: Any) -> Remediator:
+    """The remediator for ``--remediate MODE`` (``off`` is built in); ``options`` go to
+    :func:`fsdp_sentinel.remediate.build_remediator`."""
     if mode == "off":
         return NullRemediator()
-    try:
-        from fsdp_sentinel import remediate  # type: ignore[attr-defined]
-    except ImportError:
-        raise NotImplementedError(
-            f"--remediate {mode}: remediation is not part of this build yet"
-        ) from None
-    built: Remediator = remediate.build_remediator(mode, host=host)
+    from fsdp_sentinel import remediate
+
+    built: Remediator = remediate.build_remediator(mode, host=host, **options)
     return built
 
 
@@ -186,6 +188,8 @@ class Daemon:
         self.pipeline = pipeline
         self.probes = probes
         self.remediator: Remediator = remediator or NullRemediator()
+        # The optional parts of the remediator seam (see Remediator).
+        self._observe: Callable[[Record], None] | None = getattr(remediator, "observe", None)
         self._clock = clock
         self._proc = Path(proc_root)
         self._queue: queue.SimpleQueue[Record] = queue.SimpleQueue()
@@ -326,6 +330,8 @@ class Daemon:
             self._register(rec.get("pid"))
         if self._trace is not None:
             self._trace.write(rec)
+        if self._observe is not None:
+            self._safely("remediator observe", self._observe, rec)
         try:
             verdicts = self.pipeline.feed(rec)
         except Exception:
@@ -340,6 +346,9 @@ class Daemon:
 
     def _handle_verdict(self, verdict: Record) -> None:
         self.counts["verdict"] += 1
+        # The remediator first: it may add its evidence to the verdict, and
+        # its actions are written right after the verdict they answer.
+        actions = self._safely("remediator", self.remediator.on_verdict, verdict) or []
         if self._trace is not None:
             self._trace.write(verdict)
         if self._verdicts is not None:
@@ -352,7 +361,7 @@ class Daemon:
             float(verdict.get("score") or 0.0),
             verdict.get("step"),
         )
-        for action in self._safely("remediator", self.remediator.on_verdict, verdict) or []:
+        for action in actions:
             self._write_action(action)
 
     def _write_action(self, action: Record) -> None:
@@ -374,6 +383,10 @@ class Daemon:
             recs = self._safely("probe poll", self.probes.poll) or []
             for rec in recs:
                 self._handle(rec)
+        tick = getattr(self.remediator, "tick", None)
+        if tick is not None:
+            for action in self._safely("remediator tick", tick) or []:
+                self._write_action(action)
         self._publish()
         self._sync_outputs()
 
@@ -397,6 +410,14 @@ class Daemon:
                 snap,
                 ingest_dropped_total=ingest.dropped_total,
                 ingest_malformed_total=ingest.malformed_total,
+            )
+        views = getattr(self.remediator, "views", None)
+        if views is not None:
+            from fsdp_sentinel.snapshot import RemediationView
+
+            got = self._safely("remediator views", views) or []
+            snap = dataclasses.replace(
+                snap, remediation=tuple(RemediationView(h, d, bool(a)) for h, d, a in got)
             )
         self._snapshot = snap  # one reference swap: readers see old or new
 
@@ -487,6 +508,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="reprioritise a straggler's traffic with tc: off (default), dry-run, apply",
     )
+    parser.add_argument(
+        "--remediate-dev",
+        action="append",
+        type=_device_spec,
+        metavar="[HOST=][NETNS/]IFNAME",
+        help="a device remediation may manage, for verdicts of HOST (default: this host); "
+        "repeatable (default: this host's default-route device)",
+    )
+    parser.add_argument(
+        "--remediate-rate-mbit",
+        type=float,
+        metavar="MBIT",
+        help="the link rate when neither a shaper on the device nor sysfs gives it",
+    )
     parser.add_argument("--live", action="store_true", help="show the live per-rank table")
     parser.add_argument(
         "--interval",
@@ -518,6 +553,16 @@ def _metrics_addr(text: str) -> tuple[str, int] | None:
         return parse_addr(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _device_spec(text: str) -> str:
+    from fsdp_sentinel.remediate.config import parse_device
+
+    try:
+        parse_device(text, "-")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _interval(text: str) -> float:
@@ -553,9 +598,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"fsdp-sentinel run: error: --config {args.config}: {e}", file=sys.stderr)
         return 2
     try:
-        remediator = make_remediator(args.remediate, host)
-    except NotImplementedError as e:
-        log.error("%s", e)
+        remediator = make_remediator(
+            args.remediate, host, devices=args.remediate_dev, rate_mbit=args.remediate_rate_mbit
+        )
+    except Exception as e:
+        log.error("--remediate %s: cannot start remediation: %s", args.remediate, e)
         return 1
     config = DaemonConfig(
         socket_path=args.socket,

@@ -284,6 +284,9 @@ def render(
         lines.append(Text("waiting for ranks to announce themselves ...", style="dim"))
     verdicts = " ".join(f"{c} {n}" for c, n in sorted(snap.verdicts_total.items())) or "none"
     lines.append(Text(f"verdicts: {verdicts}", style="dim"))
+    active = [f"{v.host} {v.dev}" for v in snap.remediation if v.active]
+    if active:
+        lines.append(Text(f"tc: prioritising the job's flows on {', '.join(active)}", style="bold"))
     lines.append(
         Text(
             f"ingest dropped {snap.ingest_dropped_total} (malformed {snap.ingest_malformed_total})",

@@ -65,6 +65,15 @@ class PeerView:
 
 
 @dataclass(frozen=True)
+class RemediationView:
+    """One device the remediator manages; ``active``: its priority tree is in place."""
+
+    host: str
+    dev: str
+    active: bool
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything a view needs; ``t`` is the newest record time seen."""
 
@@ -76,6 +85,7 @@ class Snapshot:
     records_total: dict[str, int] = field(default_factory=dict)  # by kind
     ingest_dropped_total: int = 0
     ingest_malformed_total: int = 0
+    remediation: tuple[RemediationView, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,5 +94,6 @@ class Snapshot:
     def from_json(obj: dict[str, Any]) -> Snapshot:
         ranks = tuple(RankView(**r) for r in obj.get("ranks", ()))
         peers = tuple(PeerView(**p) for p in obj.get("peers", ()))
-        rest = {k: v for k, v in obj.items() if k not in ("ranks", "peers")}
-        return Snapshot(ranks=ranks, peers=peers, **rest)
+        remediation = tuple(RemediationView(**v) for v in obj.get("remediation", ()))
+        rest = {k: v for k, v in obj.items() if k not in ("ranks", "peers", "remediation")}
+        return Snapshot(ranks=ranks, peers=peers, remediation=remediation, **rest)

@@ -217,3 +217,10 @@ def test_valid_config_is_accepted(start_daemon, tmp_path, config_path) -> None:
                       str(tmp_path / "r" / "s"), "--metrics-addr", "off"])  # fmt: skip
     d.wait_log("ready")
     assert d.stop() == 0
+
+
+@pytest.mark.parametrize("spec", ["/eth0", "a/b/c", "h="])
+def test_bad_remediate_dev_exits_2_with_usage(spec: str) -> None:
+    res = run_cli("--remediate", "dry-run", "--remediate-dev", spec)
+    assert res.returncode == 2
+    assert "usage: fsdp-sentinel" in res.stderr and "IFNAME" in res.stderr

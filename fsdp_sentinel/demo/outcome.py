@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdp_sentinel.cost import describe_cost
 from fsdp_sentinel.demo.scenarios import CAUSE_OF
-from fsdp_sentinel.report.model import ReportData
+from fsdp_sentinel.report.model import ReportData, _median
 
 Record = dict[str, Any]
 
@@ -208,6 +208,39 @@ def _labelled(label: str, rows: list[str]) -> list[str]:
     return [f"{label if i == 0 else '':10}{row}" for i, row in enumerate(rows)]
 
 
+def remediation_lines(data: ReportData) -> list[str]:
+    """What remediation did (or why not), and the step time falling back after it."""
+    out = []
+    for v in data.verdicts:
+        why = (v.get("evidence") or {}).get("remediation")
+        if v.get("state") == "flagged" and isinstance(why, dict) and why.get("tc") != "prioritise":
+            out += _labelled("tc", textwrap.wrap(f"rank {v['rank']}: left alone: {why['why']}", 68))
+    for a in data.actions:
+        state, where = a.get("state"), f"{a.get('host')} {a.get('dev')}"
+        if state == "applied":
+            t = float(a["t"])
+            faults = [f for f in data.faults if float(f["t"]) <= t < data.fault_end(f)]
+            end = data.fault_end(faults[0]) if faults else float("inf")
+            start = float(faults[0]["t"]) if faults else t
+            before = [s.seconds for s in data.steps if start <= s.start and s.end <= t]
+            after = [s.seconds for s in data.steps if t <= s.start and s.end <= end]
+            out.append(f"tc        prioritised the job's flows on {where} at step {a.get('step')}")
+            if before or after:
+                out.append(f"          step time {_secs(_median(before))} before it, "
+                           f"{_secs(_median(after))} after it (fault in force)")  # fmt: skip
+        elif state == "rolled_back":
+            out.append(f"tc        restored {where} ({a.get('why', '')})")
+        elif state in ("failed", "dry_run"):
+            out += _labelled(
+                "tc",
+                textwrap.wrap(
+                    f"{a.get('what')} {state} on {where}: {a.get('why') or a.get('errno') or ''}",
+                    68,
+                ),
+            )
+    return out
+
+
 def summary_lines(
     data: ReportData,
     truth_doc: dict[str, Any],
@@ -282,6 +315,7 @@ def summary_lines(
         )
     else:
         lines.append(f"step time {_secs(ph.before)} (median, all ranks)")
+    lines += remediation_lines(data)
     lines.append(f"trace     {trace}")
     lines.append(f"truth     {truth_file}")
     if report:

@@ -124,6 +124,15 @@ def _current_step(snap: Snapshot | None) -> int:
     return max(steps) + 1 if steps else 0
 
 
+def remediate_devices(lab: Any) -> list[str]:
+    """``--remediate-dev`` for each lab host's own link: the only devices the
+    demo's daemon may change (it serves every lab host, like a node daemon each)."""
+    out: list[str] = []
+    for h in lab.hosts:
+        out += ["--remediate-dev", f"{h.name}={h.netns}/{h.ifname}"]
+    return out
+
+
 def trainer_args(cfg: DemoConfig, socket_path: Path) -> list[str]:
     return [
         "--steps", str(cfg.total_steps()),
@@ -257,11 +266,17 @@ def _follow(
     timeout = cfg.timeout or 90.0 + 8.0 * total
     deadline = time.monotonic() + timeout
     flagged: dict[int, str] = {}
+    prioritised: set[tuple[str, str]] = set()
     step = 0
     while True:
         snap = daemon.snapshot()
         if snap is not None:
             progress.update(snap)
+            now_on = {(v.host, v.dev) for v in snap.remediation if v.active}
+            for host, dev in sorted(now_on ^ prioritised):
+                what = "prioritising the job's flows" if (host, dev) in now_on else "restored"
+                progress.event(f"tc: {what} on {host} {dev} at step {step}")
+            prioritised = now_on
             step = max(step, _current_step(snap))
             for r in snap.ranks:
                 state = f"{r.state}:{r.cause}" if r.state != "ok" else "ok"
@@ -336,6 +351,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 remediate=cfg.remediate,
                 interval=cfg.interval,
                 probes=cfg.probes,
+                extra=remediate_devices(lab) if cfg.remediate != "off" else None,
             )
         )
         daemon.wait_ready()

@@ -30,6 +30,7 @@ WORST_PAIRS = 12
 #: Matrix cells get their figure written in them up to this many ranks.
 MATRIX_TEXT_RANKS = 16
 FAULT_COLOUR = "#9467bd"
+ACTION_COLOUR = "#2ca02c"  # remediation: tc tree in (solid) and out (dotted)
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 
@@ -87,6 +88,13 @@ def _mark_events(ax: Any, data: ReportData, label: bool) -> None:
                 fontsize=8,
                 color=colour,
             )
+    applied = [a for a in data.actions if a.get("state") in ("applied", "rolled_back")]
+    for a in applied:
+        on = a["state"] == "applied"
+        name = "tc: prioritised" if on else "tc: restored"
+        ax.axvline(float(a["t"]) - t0, color=ACTION_COLOUR, linestyle="-" if on else ":",
+                   linewidth=1.4, label=name if label and name not in seen else None)  # fmt: skip
+        seen.add(name)
     for i, f in enumerate(data.faults):
         ax.axvline(
             float(f["t"]) - t0,
