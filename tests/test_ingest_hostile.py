@@ -38,7 +38,6 @@ HOSTILE: list[tuple[bytes, str]] = [
     (b'{"kind":"step","rank":0,"step":1,"start":-1e308,"end":1e308}', BAD_VALUE),
     (b'{"kind":"step","rank":0,"step":1000000000000,"start":1.0,"end":2.0}', BAD_VALUE),
     (b'{"kind":"step","rank":"0","step":1,"start":1.0,"end":2.0}', BAD_VALUE),
-    (b'{"kind":"step","rank":true,"step":1,"start":1.0,"end":2.0}', BAD_VALUE),
     (
         b'{"kind":"rank","t":1,"rank":0,"world_size":1,"host":"'
         + b"h" * 300
