@@ -537,7 +537,9 @@ class _FrameLines:
     lines_so_far)``, which raises (strict) or returns (lenient: the reader
     skips to the next frame, found by its magic number, and counts it)."""
 
-    CHUNK = 1 << 17  # 128 KiB of compressed input at a time
+    CHUNK = (
+        1 << 14
+    )  # 16 KiB of compressed input at a time: its text stays in cache (145 vs 166+ ns a line at 32 KiB+)
 
     def __init__(
         self, path: str | os.PathLike[str], on_damage: Callable[[int, int, str, int], None]
