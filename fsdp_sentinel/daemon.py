@@ -202,6 +202,7 @@ class Daemon:
         self.http: Any = None
         self._trace: TraceWriter | None = None
         self._verdicts: TraceWriter | None = None
+        self._failed: set[int] = set()  # writers whose failure was logged
         self._synced: dict[int, int] = {}  # id(writer) -> records at its last sync
         self._started = False
         self._closed = False
@@ -397,6 +398,12 @@ class Daemon:
             if writer is not None and writer.records != self._synced.get(id(writer)):
                 writer.sync()
                 self._synced[id(writer)] = writer.records
+            if writer is not None and writer.failed is not None and id(writer) not in self._failed:
+                # The writer switched itself off (a full disk: ENOSPC); the
+                # daemon goes on detecting, exporting and remediating.
+                self._failed.add(id(writer))
+                log.error("%s: write failed (%s); writing it stopped, detection goes on",
+                          writer.path, writer.failed)  # fmt: skip
 
     def _publish(self) -> None:
         try:
@@ -459,6 +466,10 @@ class Daemon:
         )
         if self.pipeline_errors:
             log.error("the pipeline failed on %d records", self.pipeline_errors)
+        for writer in (self._trace, self._verdicts):
+            if writer is not None and (writer.failed is not None or writer.unencodable):
+                log.error("%s: %d records not written after %s, %d not encodable", writer.path,
+                          writer.lost, writer.failed, writer.unencodable)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- command

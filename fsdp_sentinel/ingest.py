@@ -2,9 +2,10 @@
 
 An :class:`IngestServer` binds an AF_UNIX SOCK_DGRAM socket at a path (its
 directory made 0750 when the server creates it, the socket 0660) and runs one
-receive thread that parses each datagram as one JSON record, validates it with
-:func:`fsdp_sentinel.trace.validate` and hands it to ``on_record``. A
-malformed datagram is dropped and counted by reason; the thread carries on.
+receive thread that parses each datagram as one JSON record with the trace
+reader's own decoder and schema (:func:`parse_datagram`) and hands it to
+``on_record``. A malformed datagram is dropped and counted by reason; the
+thread carries on.
 
 A path socket lives in the file system, not in a network namespace, so ranks
 in other network namespaces of the same machine reach it through the path.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import select
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdp_sentinel.trace import validate
+from fsdp_sentinel.trace import bad_field, decode, missing_fields
 
 log = logging.getLogger(__name__)
 
@@ -55,44 +55,50 @@ QLEN_SYSCTL = "/proc/sys/net/unix/max_dgram_qlen"
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux value; Python lacks the name
 
 #: Kinds only the daemon itself writes; a rank sending one would corrupt the
-#: trace's "replay gives the same verdicts" property, so they are refused.
-RESERVED_KINDS = frozenset({"header", "verdict", "action"})
+#: trace's "replay gives the same verdicts" property (and a rank's clock records
+#: could move the stream clock for everyone), so they are refused.
+RESERVED_KINDS = frozenset({"header", "verdict", "action", "clock"})
 
 # Drop reasons (keys of IngestServer.dropped).
 BAD_JSON = "invalid_json"
 NOT_OBJECT = "not_object"
 NO_KIND = "no_kind"
 MISSING_FIELD = "missing_field"
+BAD_VALUE = "bad_value"  # a field of the wrong type or out of range (trace.bad_field)
 TOO_LARGE = "too_large"
 RESERVED = "reserved_kind"
 REFUSED = "refused"  # on_record returned False (e.g. the daemon's queue is full)
 
 #: Reasons that mean the datagram itself was malformed (vs. refused downstream).
-MALFORMED_REASONS = frozenset({BAD_JSON, NOT_OBJECT, NO_KIND, MISSING_FIELD, TOO_LARGE})
+MALFORMED_REASONS = frozenset({BAD_JSON, NOT_OBJECT, NO_KIND, MISSING_FIELD, BAD_VALUE, TOO_LARGE})
 ALL_REASONS = (*sorted(MALFORMED_REASONS), RESERVED, REFUSED)
 
 
-def _reject_constant(name: str) -> Any:
-    # NaN/Infinity are not JSON, and the trace writer refuses them later.
-    raise ValueError(f"non-finite number {name}")
-
-
 def parse_datagram(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """One datagram -> (record, None) or (None, drop reason)."""
+    """One datagram -> (record, None) or (None, drop reason).
+
+    The trace reader's own decoder and schema (``trace.decode``,
+    ``trace.bad_field``): nesting past the parser's limit, non-finite
+    numbers, invalid UTF-8 or lone surrogates are ``invalid_json``; a field
+    of the wrong type or out of range is ``bad_value``. Nothing a datagram
+    holds can raise past this function.
+    """
     try:
-        rec = json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError):
+        rec = decode(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None, BAD_JSON
-    why = validate(rec)
-    if why is None:
-        if rec["kind"] in RESERVED_KINDS:
-            return None, RESERVED
-        return rec, None
-    if not isinstance(rec, dict):
+    if type(rec) is not dict:
         return None, NOT_OBJECT
-    if not isinstance(rec.get("kind"), str):
+    kind = rec.get("kind")
+    if type(kind) is not str:
         return None, NO_KIND
-    return None, MISSING_FIELD
+    if missing_fields(rec):
+        return None, MISSING_FIELD
+    if bad_field(rec) is not None:
+        return None, BAD_VALUE
+    if kind in RESERVED_KINDS:
+        return None, RESERVED
+    return rec, None
 
 
 def _prepare_path(path: Path) -> None:

@@ -30,6 +30,11 @@ CGROUP_CPU_ROOT = "/sys/fs/cgroup/cpu"
 _NAME_RE = re.compile(r"^fss-[a-z0-9]+(-[a-z0-9]+)*$|^fss$")
 
 
+def valid_name(name: str) -> bool:
+    """Whether ``name`` is a lab name (``fss`` or ``fss-`` and [a-z0-9-])."""
+    return bool(_NAME_RE.match(name))
+
+
 class LabError(RuntimeError):
     """The lab could not be built, changed or removed as asked."""
 
@@ -52,6 +57,8 @@ class LabConfig:
     latency_ms: float = 20.0
     cgroup_root: str = CGROUP_CPU_ROOT
     replace_existing: bool = True
+    #: Where the lab's state file goes (``lab.registry``).
+    state_dir: str = "/run/fsdp-sentinel/labs"
 
     def __post_init__(self) -> None:
         problems = config_problems(self)

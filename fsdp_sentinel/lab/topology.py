@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_sentinel.lab import cleanup, netlink
+from fsdp_sentinel.lab import cleanup, netlink, registry
 from fsdp_sentinel.lab.config import (
     LabConfig,
     LabError,
@@ -98,6 +98,7 @@ class Lab:
                 )
             log.warning("removing leftovers of an earlier lab %s", name)
             cleanup.teardown(name, cgroup_root=self.config.cgroup_root, root_links=False)
+        registry.record(name, self.config.state_dir)  # before anything is made
         atexit.register(self.close)
         try:
             self._build_network()
@@ -158,6 +159,7 @@ class Lab:
         removed = cleanup.teardown(
             self.config.name, cgroup_root=self.config.cgroup_root, root_links=False
         )
+        registry.forget(self.config.name, self.config.state_dir)
         for p in self._procs:
             try:
                 p.wait(timeout=5)
