@@ -35,12 +35,12 @@ DESCRIPTION = (
     "state, cause), refreshed every second. Flagged ranks are highlighted."
 )
 EPILOG = """examples:
-  fsdp-sentinel top                         # daemon on the default 127.0.0.1:9464
-  fsdp-sentinel top --addr 10.0.0.5:9464
+  fsdp-sentinel top                         # daemon on the default 127.0.0.1:18965
+  fsdp-sentinel top --addr 10.0.0.5:18965
   fsdp-sentinel top --once                  # print one table and exit
 """
 
-DEFAULT_ADDR = "127.0.0.1:9464"
+DEFAULT_ADDR = "127.0.0.1:18965"
 
 #: Row styles by rank state; "ok" rows are plain.
 STATE_STYLE = {"flagged": "bold red", "lost": "bold magenta"}

@@ -25,6 +25,7 @@ from typing import Any
 
 from fsdp_sentinel.correlate import Correlator
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
+from fsdp_sentinel.fabric import FabricTotals
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
 from fsdp_sentinel.trace import KEY
 
@@ -70,12 +71,15 @@ class Pipeline:
         self._ticks = 0
         self._verdicts = 0
         self._add_coll = self.corr.add_coll
+        self.fabric = FabricTotals(self.corr.local_rank)
         self._handlers: dict[str, Callable[[Record], list[Record]]] = {
             "rank": self._on_rank,
             "step": self._on_step,
             "flow": self._on_flow,
             "netdev": self._on_clock,
             "conn": self._on_conn,
+            "rdma": self._on_rdma,
+            "nccl": self._on_nccl,
         }
 
     # ------------------------------------------------------------ public
@@ -186,6 +190,7 @@ class Pipeline:
                 RankView(
                     rank=r,
                     host=rs.host,
+                    job=rs.job,
                     pid=rs.pid,
                     step=rs.done_step if rs.done_step >= 0 else None,
                     step_seconds=last.step_s if last else None,
@@ -205,6 +210,9 @@ class Pipeline:
                     coll_count_total=dict(rs.coll_count),
                     coll_bytes_total=dict(rs.coll_bytes),
                     coll_seconds_total=dict(rs.coll_seconds),
+                    wait_seconds_total=rs.wait_seconds_total,
+                    step_buckets=tuple(rs.step_buckets),
+                    coll_wait_buckets={op: tuple(c) for op, c in rs.coll_wait_buckets.items()},
                 )
             )
         return Snapshot(
@@ -214,6 +222,8 @@ class Pipeline:
             peers=tuple(peers),
             verdicts_total=dict(self.verdicts_total),
             records_total=self.records_total,
+            rdma_ports=self.fabric.rdma_ports(),
+            nccl=self.fabric.nccl(),
         )
 
     # ------------------------------------------------------------ handlers
@@ -256,6 +266,14 @@ class Pipeline:
     def _on_conn(self, rec: Record) -> list[Record]:
         self.corr.add_conn(rec)
         return self._advance(float(rec["t"]))
+
+    def _on_rdma(self, rec: Record) -> list[Record]:
+        self.fabric.add_rdma(rec)
+        return self._on_clock(rec)
+
+    def _on_nccl(self, rec: Record) -> list[Record]:
+        self.fabric.add_nccl(rec)
+        return self._on_clock(rec)
 
     def _on_step(self, rec: Record) -> list[Record]:
         step = rec["step"]
