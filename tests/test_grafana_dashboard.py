@@ -41,7 +41,7 @@ def test_panels_are_well_formed_and_laid_out() -> None:
     for p in dashboard()["panels"]:
         assert p["type"] in PANEL_TYPES, p["type"]
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0 and g["y"] >= 0, p["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0 and g["y"] >= 0, p["title"]
     for p in panels():
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         refs = [t["refId"] for t in p["targets"]]
