@@ -214,6 +214,7 @@ class Daemon:
                 from fsdp_sentinel.probes.bpfstats import RunStats
 
                 self._bpf_stats = RunStats()
+                log.info("BPF run statistics on (%s)", self._bpf_stats.describe())
                 report = self.probes.start()
                 attached = getattr(report, "attached", [])
                 log.info("probes attached: %s", ", ".join(attached) or "none")

@@ -6,8 +6,9 @@ as long as the daemon runs: through ``bpf(BPF_ENABLE_STATS)``, which returns a
 file descriptor and keeps statistics on until the descriptor is closed, so the
 kernel turns them back off even if the daemon is killed; where that call is
 missing (kernels before 5.8) it sets ``kernel.bpf_stats_enabled`` and puts the
-previous value back on :meth:`RunStats.close`. Either way
-``/proc/sys/kernel/bpf_stats_enabled`` reads 1 while it is held.
+previous value back on :meth:`RunStats.close`. The sysctl shows only what
+was written to it, so with the first way it keeps reading as before while
+statistics are on (the programs' ``run_cnt`` moving is the sign).
 
 :func:`read_fdinfo` reads each program's figures from ``/proc/PID/fdinfo/FD``
 (the loading process holds the program fds).
@@ -54,6 +55,12 @@ class RunStats:
             self.how = "sysctl"
         except OSError as e:
             log.warning("cannot enable BPF run statistics (%s): program run figures stay 0", e)
+
+    def describe(self) -> str:
+        return {
+            "fd": "BPF_ENABLE_STATS, until the daemon exits",
+            "sysctl": f"{self._sysctl.name}=1, restored at exit",
+        }.get(self.how, "not available: program run figures stay 0")
 
     def close(self) -> None:
         """Stop holding statistics on (idempotent)."""
