@@ -237,7 +237,7 @@ def test_names_units_and_labels_follow_the_conventions() -> None:
             assert all(s.name.endswith("_total") for s in fam.samples)
         for s in fam.samples:
             assert set(s.labels) <= allowed, s
-            if "rank" in s.labels and fam.name != "fsdp_sentinel_nccl_calls":
+            if "rank" in s.labels:
                 assert {"job", "host"} <= set(s.labels), s
     assert not re.search(r"\b(pid|port|step|time)=", text_of(SNAP))
 
