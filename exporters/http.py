@@ -1,10 +1,13 @@
 """The daemon's HTTP endpoint: ``/metrics`` (Prometheus) and ``/api/v1/snapshot``.
 
-``/metrics`` is prometheus-client's own WSGI app (``make_wsgi_app``): it
-negotiates the format from ``Accept`` (the Prometheus text format, or
-OpenMetrics 1.0 when the scraper asks for it, as Prometheus does), gzips when
-``Accept-Encoding`` allows, and serves only the families named by
-``?name[]=...``. ``/api/v1/snapshot`` is the JSON of the current snapshot
+``/metrics`` does what prometheus-client's ``make_wsgi_app`` does, with its
+helpers: it negotiates the format from ``Accept`` (``choose_encoder``: the
+Prometheus text format, or OpenMetrics 1.0 when the scraper asks for it, as
+Prometheus does), serves only the families named by ``?name[]=...``
+(``restricted_registry``) and gzips when ``Accept-Encoding`` allows
+(``gzip_accepted``). Two things differ, neither in what a scraper reads: the
+text is written by ``encode.py`` (prometheus-client's output byte for byte,
+several times faster), and gzip runs at level :data:`GZIP_LEVEL`, not 9. ``/api/v1/snapshot`` is the JSON of the current snapshot
 (what ``fsdp-sentinel top`` polls). Both only read: ``snapshot_fn`` returns an
 immutable snapshot the daemon published, so no lock is shared with the thread
 that owns the pipeline.
@@ -16,18 +19,20 @@ takes IPv4 too where the kernel allows dual-stack sockets).
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
+from fsdp_sentinel.exporters.encode import fast_encoder
 from fsdp_sentinel.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,12 @@ SNAPSHOT_PATH = "/api/v1/snapshot"
 #: (docs/metrics.md says why this one).
 DEFAULT_PORT = 18965
 DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
+
+#: gzip level for ``/metrics``. prometheus-client uses 9 (the default): 14 ms
+#: for a 64-rank job's 594 KiB, 23 KiB out. Level 1 takes about 1.5 ms for
+#: 34 KiB: a scrape body is read once, on loopback or the cluster network,
+#: so the daemon's CPU counts more than 11 KiB (BENCHMARKS.md, bench/scrape).
+GZIP_LEVEL = 1
 
 
 def parse_addr(text: str) -> tuple[str, int]:
@@ -75,8 +86,8 @@ class _QuietHandler(WSGIRequestHandler):
 def make_app(
     registry: CollectorRegistry, snapshot_fn: Callable[[], Snapshot]
 ) -> Callable[..., Iterable[bytes]]:
-    """The WSGI app: ``/metrics`` by prometheus-client, ``/api/v1/snapshot``, an index."""
-    metrics = make_wsgi_app(registry)
+    """The WSGI app: ``/metrics``, ``/api/v1/snapshot``, an index."""
+    metrics = metrics_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -98,6 +109,35 @@ def make_app(
                 start_response, "500 Internal Server Error", "text/plain; charset=utf-8",
                 b"internal error\n",
             )  # fmt: skip
+
+    return app
+
+
+def metrics_app(
+    registry: CollectorRegistry, gzip_level: int = GZIP_LEVEL
+) -> Callable[..., Iterable[bytes]]:
+    """``prometheus_client.make_wsgi_app(registry)`` with our encoder and gzip
+    level: the same status, headers and (uncompressed) body for every request."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        method = environ["REQUEST_METHOD"]
+        if method == "OPTIONS":
+            start_response("200 OK", [("Allow", "OPTIONS,GET")])
+            return [b""]
+        if method != "GET":
+            status = "405 Method Not Allowed"
+            start_response(status, [("Allow", "OPTIONS,GET")])
+            return [f"# HTTP {status}: {method}; use OPTIONS or GET\n".encode()]
+        encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+        params = parse_qs(environ.get("QUERY_STRING", ""))
+        target = registry.restricted_registry(params["name[]"]) if "name[]" in params else registry
+        output = fast_encoder(encoder)(target)
+        headers = [("Content-Type", content_type)]
+        if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
+            output = gzip.compress(output, compresslevel=gzip_level)
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [output]
 
     return app
 
