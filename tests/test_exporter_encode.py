@@ -155,9 +155,13 @@ def hand_made() -> list[Metric]:
             hist, summary, unknown, empty]  # fmt: skip
 
 
+def registry_of(snap: Snapshot) -> CollectorRegistry:
+    return build_registry(lambda: snap, process=False)
+
+
 def registries() -> Iterator[tuple[str, Any]]:
     for name, snap in SNAPSHOTS.items():
-        yield name, build_registry(lambda snap=snap: snap, process=False)
+        yield name, registry_of(snap)
     yield "hand_made", Frozen(hand_made())
     yield "all_together", Frozen([*hand_made()[:3], *build_registry(lambda: SNAP).collect()])
 
