@@ -4,8 +4,8 @@
 ``collect()`` asks ``snapshot_fn`` for the current snapshot and yields new
 metric families from it (:func:`families`, pure). Nothing is stored between
 scrapes and nothing is registered at import time; the caller passes the
-registry. ``exporters/http.py`` serves it with prometheus-client's own
-exposition (text or OpenMetrics, gzip, ``name[]``).
+registry. ``exporters/http.py`` serves it with prometheus-client's
+negotiation (text or OpenMetrics, gzip, ``name[]``) and ``encode.py``'s writer.
 
 The family names, types, labels and units are a contract: docs/metrics.md
 lists each with the number of series it makes. Conventions: prefix

@@ -1,7 +1,8 @@
 """The daemon's HTTP endpoint, over real sockets: what a scraper negotiates.
 
-prometheus-client's exposition serves ``/metrics``; these tests check that
-the server hands it the request as a scraper sends it (``Accept``,
+``/metrics`` is served with prometheus-client's negotiation and our writer
+(``test_exporter_encode.py`` holds it to prometheus-client's bytes); these
+tests check that the server hands it the request as a scraper sends it (``Accept``,
 ``Accept-Encoding``, ``name[]``), that ``/api/v1/snapshot`` is the snapshot,
 that IPv6 works, and that ``promtool check metrics`` passes both formats.
 """
