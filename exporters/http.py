@@ -1,29 +1,56 @@
 """The daemon's HTTP endpoint: ``/metrics`` (Prometheus) and ``/api/v1/snapshot``.
 
-:class:`MetricsServer` serves, on its own thread, the Prometheus text format
-of an injected registry and the JSON of the current snapshot (what
-``fsdp-sentinel top`` polls). It only reads: ``snapshot_fn`` returns an
+``/metrics`` does what prometheus-client's ``make_wsgi_app`` does, with its
+helpers: it negotiates the format from ``Accept`` (``choose_encoder``: the
+Prometheus text format, or OpenMetrics 1.0 when the scraper asks for it, as
+Prometheus does), serves only the families named by ``?name[]=...``
+(``restricted_registry``) and gzips when ``Accept-Encoding`` allows
+(``gzip_accepted``). Two things differ, neither in what a scraper reads: the
+text is written by ``encode.py`` (prometheus-client's output byte for byte,
+several times faster), and gzip runs at level :data:`GZIP_LEVEL`, not 9. ``/api/v1/snapshot`` is the JSON of the current snapshot
+(what ``fsdp-sentinel top`` polls). Both only read: ``snapshot_fn`` returns an
 immutable snapshot the daemon published, so no lock is shared with the thread
 that owns the pipeline.
+
+:class:`MetricsServer` binds IPv4 or IPv6 (``[::1]:PORT``; ``[::]:PORT``
+takes IPv4 too where the kernel allows dual-stack sockets).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import logging
 import socket
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
+from fsdp_sentinel.exporters.encode import fast_encoder
 from fsdp_sentinel.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
+METRICS_PATH = "/metrics"
 SNAPSHOT_PATH = "/api/v1/snapshot"
+
+#: What ``--metrics-addr`` defaults to: loopback only (metrics name hosts and
+#: ranks), on a port that no exporter in Prometheus's default-port list takes
+#: (docs/metrics.md says why this one).
+DEFAULT_PORT = 18965
+DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
+
+#: gzip level for ``/metrics``. prometheus-client uses 9 (the default): 14 ms
+#: for a 64-rank job's 594 KiB, 23 KiB out. Level 1 takes about 1.5 ms for
+#: 34 KiB: a scrape body is read once, on loopback or the cluster network,
+#: so the daemon's CPU counts more than 11 KiB (BENCHMARKS.md, bench/scrape).
+GZIP_LEVEL = 1
 
 
 def parse_addr(text: str) -> tuple[str, int]:
@@ -31,11 +58,93 @@ def parse_addr(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"write an IPv6 address in brackets, [{host}]:{port}, got {text!r}")
     return host.strip("[]"), int(port)
 
 
-class _V6Server(ThreadingHTTPServer):
+class _Server(ThreadingWSGIServer):
+    daemon_threads = True
+
+
+class _V6Server(_Server):
     address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        # "::" serves IPv4 too (dual stack) unless the host forbids it.
+        if self.server_address[0] == "::":
+            with contextlib.suppress(OSError):
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("http: " + format, *args)
+
+
+def make_app(
+    registry: CollectorRegistry, snapshot_fn: Callable[[], Snapshot]
+) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: ``/metrics``, ``/api/v1/snapshot``, an index."""
+    metrics = metrics_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        try:
+            if path == METRICS_PATH:
+                return metrics(environ, start_response)  # type: ignore[no-any-return]
+            if path == SNAPSHOT_PATH:
+                body = json.dumps(snapshot_fn().to_json(), allow_nan=False).encode()
+                return _reply(start_response, "200 OK", "application/json", body)
+            if path == "/":
+                links = f'<a href="{METRICS_PATH}">{METRICS_PATH}</a> <a href="{SNAPSHOT_PATH}">{SNAPSHOT_PATH}</a>'
+                return _reply(start_response, "200 OK", "text/html; charset=utf-8", links.encode())
+            return _reply(
+                start_response, "404 Not Found", "text/plain; charset=utf-8", b"not found\n"
+            )
+        except Exception:  # a scrape must never take the daemon down
+            log.exception("error serving %s", path)
+            return _reply(
+                start_response, "500 Internal Server Error", "text/plain; charset=utf-8",
+                b"internal error\n",
+            )  # fmt: skip
+
+    return app
+
+
+def metrics_app(
+    registry: CollectorRegistry, gzip_level: int = GZIP_LEVEL
+) -> Callable[..., Iterable[bytes]]:
+    """``prometheus_client.make_wsgi_app(registry)`` with our encoder and gzip
+    level: the same status, headers and (uncompressed) body for every request."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        method = environ["REQUEST_METHOD"]
+        if method == "OPTIONS":
+            start_response("200 OK", [("Allow", "OPTIONS,GET")])
+            return [b""]
+        if method != "GET":
+            status = "405 Method Not Allowed"
+            start_response(status, [("Allow", "OPTIONS,GET")])
+            return [f"# HTTP {status}: {method}; use OPTIONS or GET\n".encode()]
+        encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+        params = parse_qs(environ.get("QUERY_STRING", ""))
+        target = registry.restricted_registry(params["name[]"]) if "name[]" in params else registry
+        output = fast_encoder(encoder)(target)
+        headers = [("Content-Type", content_type)]
+        if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
+            output = gzip.compress(output, compresslevel=gzip_level)
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [output]
+
+    return app
+
+
+def _reply(start_response: Callable[..., Any], status: str, ctype: str, body: bytes) -> list[bytes]:
+    start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+    return [body]
 
 
 class MetricsServer:
@@ -47,10 +156,10 @@ class MetricsServer:
         registry: CollectorRegistry,
         snapshot_fn: Callable[[], Snapshot],
     ) -> None:
-        handler = _make_handler(registry, snapshot_fn)
-        server_cls = _V6Server if ":" in addr[0] else ThreadingHTTPServer
-        self._httpd = server_cls(addr, handler)
-        self._httpd.daemon_threads = True
+        server_cls = _V6Server if ":" in addr[0] else _Server
+        self._httpd = make_server(
+            addr[0], addr[1], make_app(registry, snapshot_fn), server_cls, _QuietHandler
+        )
         self.host = addr[0]
         self.port = int(self._httpd.server_address[1])
         self._thread: threading.Thread | None = None
@@ -76,39 +185,3 @@ class MetricsServer:
             self._thread.join(timeout=5)
             self._thread = None
         self._httpd.server_close()
-
-
-def _make_handler(
-    registry: CollectorRegistry, snapshot_fn: Callable[[], Snapshot]
-) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "fsdp-sentinel"
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            path = self.path.split("?", 1)[0]
-            try:
-                if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
-                elif path == SNAPSHOT_PATH:
-                    body = json.dumps(snapshot_fn().to_json(), allow_nan=False).encode()
-                    self._send(200, "application/json", body)
-                elif path == "/":
-                    links = f'<a href="/metrics">/metrics</a> <a href="{SNAPSHOT_PATH}">{SNAPSHOT_PATH}</a>'
-                    self._send(200, "text/html; charset=utf-8", links.encode())
-                else:
-                    self._send(404, "text/plain; charset=utf-8", b"not found\n")
-            except Exception:  # a scrape must never take the daemon down
-                log.exception("error serving %s", path)
-                self._send(500, "text/plain; charset=utf-8", b"internal error\n")
-
-        def _send(self, code: int, ctype: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-            log.debug("http: " + format, *args)
-
-    return Handler

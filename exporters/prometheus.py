@@ -2,98 +2,104 @@
 
 :class:`SentinelCollector` is a custom collector: at every scrape its
 ``collect()`` asks ``snapshot_fn`` for the current snapshot and yields new
-metric families from it. Nothing is stored between scrapes and nothing is
-registered at import time; the caller passes the registry.
+metric families from it (:func:`families`, pure). Nothing is stored between
+scrapes and nothing is registered at import time; the caller passes the
+registry. ``exporters/http.py`` serves it with prometheus-client's
+negotiation (text or OpenMetrics, gzip, ``name[]``) and ``encode.py``'s writer.
 
-Conventions (docs/daemon.md lists every metric): prefix ``fsdp_sentinel_``,
-base units (``_seconds``, ``_bytes_total``, ``_total``), labels only from the
-job's shape (``rank``, ``peer_rank``, ``host``, ``op``, ``cause``,
-``direction``, ``dev``), never pid, port, step or time. Bandwidth is
-``rate(...)`` in PromQL, not an exported figure.
+The family names, types, labels and units are a contract: docs/metrics.md
+lists each with the number of series it makes. Conventions: prefix
+``fsdp_sentinel_``, base units, every rank series labelled ``job``, ``rank``,
+``host``; labels only from the job's shape, never pid, port, step or time.
+No two families share a name once OpenMetrics suffixes (``_total``,
+``_count``, ``_sum``, ``_bucket``, ``_info``) are taken off: a test checks it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
+from fsdp_sentinel import __version__, buckets
 from fsdp_sentinel.snapshot import RankView, Snapshot
 
 PREFIX = "fsdp_sentinel_"
 
 #: Every cause a verdict can carry (trace format v1); each rank gets one
 #: ``fsdp_sentinel_straggler`` series per cause so alerts can match on it.
-CAUSES = ("compute", "network", "rank_lost")
+CAUSES = ("compute", "network", "rank_lost", "hang")
 
-RANK_LABELS = ["rank", "host"]
+#: One score family per unit: the open verdict's ``score`` goes to the family
+#: of its cause. (``hang`` has its 0/1 series; its score's unit is not settled.)
+SCORE_FAMILIES: dict[str, tuple[str, str]] = {
+    "compute": (
+        "straggler_relative_slowdown_ratio",
+        "Open compute verdict: the rank's step time over the job's median (1 = typical).",
+    ),
+    "network": (
+        "straggler_srtt_ratio",
+        "Open network verdict: the rank's flows' srtt over the job's median srtt.",
+    ),
+    "rank_lost": (
+        "rank_silent_seconds",
+        "Open rank_lost verdict: seconds since the rank was last heard from.",
+    ),
+}
+
+RANK_LABELS = ["job", "rank", "host"]
 
 
-def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+def _gauge(name: str, doc: str, labels: Sequence[str], unit: str = "") -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, labels=list(labels), unit=unit)
 
 
-def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+def _counter(name: str, doc: str, labels: Sequence[str], unit: str = "") -> CounterMetricFamily:
     # prometheus_client appends "_total" to counter names itself.
     assert name.endswith("_total"), name
-    return CounterMetricFamily(PREFIX + name[: -len("_total")], doc, labels=labels)
+    return CounterMetricFamily(PREFIX + name[: -len("_total")], doc, labels=list(labels), unit=unit)
 
 
-#: Per-rank scalar figures: (metric name, help, RankView attribute, divisor, kind).
-_RANK_FIGURES: tuple[tuple[str, str, str, float, str], ...] = (
-    ("step", "Number of the rank's newest step.", "step", 1.0, "gauge"),
-    ("step_seconds", "Duration of the rank's newest step.", "step_seconds", 1.0, "gauge"),
-    (
-        "compute_seconds",
-        "Time of the newest step not spent waiting for collectives.",
-        "compute_seconds",
-        1.0,
-        "gauge",
-    ),
-    (
-        "wait_seconds",
-        "Time of the newest step spent waiting for collectives.",
-        "wait_seconds",
-        1.0,
-        "gauge",
-    ),
-    (
-        "srtt_seconds",
-        "Smoothed TCP round-trip time over the rank's flows.",
-        "srtt_us",
-        1e6,
-        "gauge",
-    ),
-    ("steps_total", "Steps the rank completed.", "steps_total", 1.0, "counter"),
-    (
-        "step_seconds_total",
-        "Sum of the rank's step durations.",
-        "step_seconds_total",
-        1.0,
-        "counter",
-    ),
-    ("retransmits_total", "TCP segments the rank retransmitted.", "retrans_total", 1.0, "counter"),
-    (
-        "straggler_score",
-        "Score of the rank's open verdict (absent when it has none).",
-        "score",
-        1.0,
-        "gauge",
-    ),
-)
+def _histogram(name: str, doc: str, labels: Sequence[str]) -> HistogramMetricFamily:
+    return HistogramMetricFamily(PREFIX + name, doc, labels=list(labels), unit="seconds")
 
-#: Per-rank, per-op collective figures: (metric name, help, RankView dict attribute).
-_COLL_FIGURES: tuple[tuple[str, str, str], ...] = (
-    ("collectives_total", "Collectives the rank completed, by op.", "coll_count_total"),
-    ("collective_bytes_total", "Bytes of the rank's collectives, by op.", "coll_bytes_total"),
-    (
-        "collective_seconds_total",
-        "Time from issue to completion of the rank's collectives, by op.",
-        "coll_seconds_total",
-    ),
-)
+
+def _le(bounds: tuple[float, ...]) -> list[str]:
+    return [floatToGoString(b) for b in bounds] + ["+Inf"]
+
+
+_STEP_LE = _le(buckets.STEP_DURATION_BOUNDS)
+_WAIT_LE = _le(buckets.COLLECTIVE_WAIT_BOUNDS)
+
+
+def _add_histogram(
+    fam: HistogramMetricFamily,
+    names: Sequence[str],
+    labels: Sequence[str],
+    les: list[str],
+    counts: Sequence[int],
+    total: float,
+) -> None:
+    """``fam.add_metric(labels, cumulative buckets, total)``, the same samples in
+    the same order, built with one label dict a series instead of two lists a
+    bucket: a 64-rank job has 192 histograms and 4,000 bucket samples a scrape."""
+    base = dict(zip(names, labels, strict=True))
+    bucket = fam.name + "_bucket"
+    run = 0
+    add = fam.samples.append
+    for le, n in zip(les, counts, strict=True):
+        run += n
+        add(Sample(bucket, {**base, "le": le}, float(run)))
+    add(Sample(fam.name + "_count", base, float(run)))
+    add(Sample(fam.name + "_sum", dict(base), total))
 
 
 class SentinelCollector(Collector):
@@ -117,109 +123,264 @@ class SentinelCollector(Collector):
 
 
 def _rank_labels(r: RankView) -> list[str]:
-    return [str(r.rank), r.host or ""]
+    return [r.job, str(r.rank), r.host]
 
 
 def families(snap: Snapshot) -> Iterator[Metric]:
     """The metric families for one snapshot (pure; used by the collector)."""
     ranks = sorted(snap.ranks, key=lambda r: r.rank)
+    labels = {r.rank: _rank_labels(r) for r in ranks}
+    yield from _step_families(ranks, labels)
+    yield from _verdict_families(ranks, labels, snap)
+    yield from _network_families(ranks, labels, snap)
+    yield from _fabric_families(labels, snap)
+    yield from _daemon_families(snap)
 
-    for name, doc, attr, div, kind in _RANK_FIGURES:
-        fam: Any = (
-            _gauge(name, doc, RANK_LABELS) if kind == "gauge" else _counter(name, doc, RANK_LABELS)
-        )
-        for r in ranks:
-            value = getattr(r, attr)
-            if value is not None:
-                fam.add_metric(_rank_labels(r), float(value) / div)
-        yield fam
 
-    for name, doc, attr in _COLL_FIGURES:
-        fam = _counter(name, doc, [*RANK_LABELS, "op"])
-        for r in ranks:
-            for op, value in sorted(getattr(r, attr).items()):
-                fam.add_metric([*_rank_labels(r), op], float(value))
-        yield fam
-
-    net = _counter(
-        "network_bytes_total",
-        "TCP payload bytes the rank's flows sent (tx) and received (rx).",
-        [*RANK_LABELS, "direction"],
+def _step_families(ranks: list[RankView], labels: dict[int, list[str]]) -> Iterator[Metric]:
+    newest = _gauge("step", "Number of the rank's newest summarised step.", RANK_LABELS)
+    steps = _histogram(
+        "step_duration_seconds", "Duration of the rank's optimizer steps.", RANK_LABELS
+    )
+    compute = _counter(
+        "compute_seconds_total",
+        "Time of the rank's steps not spent blocked in collectives.",
+        RANK_LABELS,
+        "seconds",
+    )
+    wait = _counter(
+        "wait_seconds_total",
+        "Time of the rank's steps spent blocked in collectives.",
+        RANK_LABELS,
+        "seconds",
+    )
+    coll_labels = [*RANK_LABELS, "op"]
+    coll_wait = _histogram(
+        "collective_wait_seconds",
+        "Time the rank waited for each collective, from issue to completion, by op.",
+        coll_labels,
+    )
+    coll_bytes = _counter(
+        "collective_bytes_total", "Bytes of the rank's collectives, by op.", coll_labels, "bytes"
     )
     for r in ranks:
-        net.add_metric([*_rank_labels(r), "tx"], float(r.tx_bytes_total))
-        net.add_metric([*_rank_labels(r), "rx"], float(r.rx_bytes_total))
-    yield net
+        lab = labels[r.rank]
+        if r.step is not None:
+            newest.add_metric(lab, float(r.step))
+        if len(r.step_buckets) == len(_STEP_LE):
+            _add_histogram(steps, RANK_LABELS, lab, _STEP_LE, r.step_buckets, r.step_seconds_total)
+            compute.add_metric(lab, max(0.0, r.step_seconds_total - r.wait_seconds_total))
+            wait.add_metric(lab, r.wait_seconds_total)
+        for op, counts in sorted(r.coll_wait_buckets.items()):
+            if len(counts) == len(_WAIT_LE):
+                total = r.coll_seconds_total.get(op, 0.0)
+                _add_histogram(coll_wait, coll_labels, [*lab, op], _WAIT_LE, counts, total)
+        for op, nbytes in sorted(r.coll_bytes_total.items()):
+            coll_bytes.add_metric([*lab, op], float(nbytes))
+    yield from (newest, steps, compute, wait, coll_wait, coll_bytes)
 
+
+def _verdict_families(
+    ranks: list[RankView], labels: dict[int, list[str]], snap: Snapshot
+) -> Iterator[Metric]:
     straggler = _gauge(
         "straggler",
         "1 while the rank has an open verdict with this cause, else 0.",
         [*RANK_LABELS, "cause"],
     )
-    lost = _gauge("rank_lost", "1 while the rank is considered gone, else 0.", RANK_LABELS)
+    scores = {
+        c: _gauge(n, doc, RANK_LABELS, "seconds" if n.endswith("_seconds") else "")
+        for c, (n, doc) in SCORE_FAMILIES.items()
+    }
+    # What the open verdict costs the job (fsdp_sentinel.cost): a rank-hours
+    # rate, so sum() over ranks is the job's loss and a user can weigh
+    # evicting the node against letting the job run.
+    cost = _gauge(
+        "straggler_cost_rank_hours_per_hour",
+        "Open verdict: rank-hours an hour the whole job spends waiting on this rank.",
+        RANK_LABELS,
+    )
+    cost_step = _gauge(
+        "straggler_cost_step_seconds",
+        "Open verdict: seconds the rank adds to every step of the job.",
+        RANK_LABELS,
+        "seconds",
+    )
     for r in ranks:
+        lab = labels[r.rank]
         for cause in CAUSES:
             on = r.state != "ok" and r.cause == cause
-            straggler.add_metric([*_rank_labels(r), cause], 1.0 if on else 0.0)
-        lost.add_metric(_rank_labels(r), 1.0 if r.state == "lost" else 0.0)
+            straggler.add_metric([*lab, cause], 1.0 if on else 0.0)
+        fam = scores.get(r.cause or "") if r.state != "ok" else None
+        if fam is not None and r.score is not None:
+            fam.add_metric(lab, float(r.score))
+        if r.state != "ok" and r.cost:
+            rh, secs = r.cost.get("rank_hours_per_hour"), r.cost.get("seconds_per_step")
+            if isinstance(rh, (int, float)):
+                cost.add_metric(lab, float(rh))
+            if isinstance(secs, (int, float)):
+                cost_step.add_metric(lab, float(secs))
     yield straggler
-    yield lost
-
-    peer_labels = ["rank", "peer_rank"]
-    flow_bytes = _counter(
-        "flow_bytes_total",
-        "TCP payload bytes between a rank and a peer rank, by direction seen from rank.",
-        [*peer_labels, "direction"],
-    )
-    flow_srtt = _gauge(
-        "flow_srtt_seconds", "Smoothed round-trip time of rank's flows to a peer.", peer_labels
-    )
-    flow_retrans = _counter(
-        "flow_retransmits_total", "Segments rank retransmitted to a peer.", peer_labels
-    )
-    for p in sorted(snap.peers, key=lambda p: (p.rank, p.peer_rank)):
-        labels = [str(p.rank), str(p.peer_rank)]
-        flow_bytes.add_metric([*labels, "tx"], float(p.tx_bytes_total))
-        flow_bytes.add_metric([*labels, "rx"], float(p.rx_bytes_total))
-        if p.srtt_us is not None:
-            flow_srtt.add_metric(labels, p.srtt_us / 1e6)
-        flow_retrans.add_metric(labels, float(p.retrans_total))
-    yield flow_bytes
-    yield flow_srtt
-    yield flow_retrans
-
+    yield from scores.values()
+    yield cost
+    yield cost_step
     verdicts = _counter("verdicts_total", "Flag verdicts the detector issued, by cause.", ["cause"])
     for cause in sorted(set(CAUSES) | set(snap.verdicts_total)):
         verdicts.add_metric([cause], float(snap.verdicts_total.get(cause, 0)))
     yield verdicts
 
-    scalars = (
-        ("records_total", "Trace records the pipeline consumed.", sum(snap.records_total.values())),
-        (
-            "ingest_dropped_total",
-            "Datagrams the ingest socket received but did not pass on (any reason).",
-            snap.ingest_dropped_total,
-        ),
-        (
-            "ingest_malformed_total",
-            "Datagrams dropped because they were not valid trace records.",
-            snap.ingest_malformed_total,
-        ),
+
+def _network_families(
+    ranks: list[RankView], labels: dict[int, list[str]], snap: Snapshot
+) -> Iterator[Metric]:
+    srtt = _gauge(
+        "srtt_seconds",
+        "Smoothed TCP round-trip time over the rank's flows.",
+        RANK_LABELS,
+        "seconds",
     )
-    for name, doc, value in scalars:
-        fam = _counter(name, doc, [])
-        fam.add_metric([], float(value))
-        yield fam
+    retrans = _counter(
+        "retransmits_total", "TCP segments the rank's flows retransmitted.", RANK_LABELS
+    )
+    net = _counter(
+        "network_bytes_total",
+        "TCP payload bytes the rank's flows sent (tx) and received (rx).",
+        [*RANK_LABELS, "direction"],
+        "bytes",
+    )
+    for r in ranks:
+        lab = labels[r.rank]
+        if r.srtt_us is not None:
+            srtt.add_metric(lab, r.srtt_us / 1e6)
+        retrans.add_metric(lab, float(r.retrans_total))
+        net.add_metric([*lab, "tx"], float(r.tx_bytes_total))
+        net.add_metric([*lab, "rx"], float(r.rx_bytes_total))
+    yield from (srtt, retrans, net)
+
+    peer_labels = [*RANK_LABELS, "peer_rank"]
+    flow_bytes = _counter(
+        "flow_bytes_total",
+        "TCP payload bytes between a rank and a peer rank, by direction seen from rank.",
+        [*peer_labels, "direction"],
+        "bytes",
+    )
+    flow_srtt = _gauge(
+        "flow_srtt_seconds",
+        "Smoothed round-trip time of rank's flows to a peer.",
+        peer_labels,
+        "seconds",
+    )
+    flow_retrans = _counter(
+        "flow_retransmits_total", "Segments rank retransmitted to a peer.", peer_labels
+    )
+    for p in sorted(snap.peers, key=lambda p: (p.rank, p.peer_rank)):
+        lab = [*labels.get(p.rank, ["", str(p.rank), ""]), str(p.peer_rank)]
+        flow_bytes.add_metric([*lab, "tx"], float(p.tx_bytes_total))
+        flow_bytes.add_metric([*lab, "rx"], float(p.rx_bytes_total))
+        if p.srtt_us is not None:
+            flow_srtt.add_metric(lab, p.srtt_us / 1e6)
+        flow_retrans.add_metric(lab, float(p.retrans_total))
+    yield from (flow_bytes, flow_srtt, flow_retrans)
+
+
+def _fabric_families(labels: dict[int, list[str]], snap: Snapshot) -> Iterator[Metric]:
+    port_labels = ["host", "dev", "rdma_port"]
+    rdma_bytes = _counter(
+        "rdma_port_bytes_total",
+        "Bytes an RDMA port sent (tx) and received (rx), from its sysfs counters.",
+        [*port_labels, "direction"],
+        "bytes",
+    )
+    rdma_errors = _counter(
+        "rdma_port_errors_total",
+        "Error, discard and retransmission counters of an RDMA port, by sysfs name.",
+        [*port_labels, "counter"],
+    )
+    for p in snap.rdma_ports:
+        lab = [p.host, p.dev, str(p.port)]
+        rdma_bytes.add_metric([*lab, "tx"], float(p.tx_bytes_total))
+        rdma_bytes.add_metric([*lab, "rx"], float(p.rx_bytes_total))
+        for name, n in sorted(p.errors.items()):
+            rdma_errors.add_metric([*lab, name], float(n))
+    yield from (rdma_bytes, rdma_errors)
+
+    nccl_labels = [*RANK_LABELS, "op"]
+    calls = _counter("nccl_calls_total", "NCCL collective calls (libnccl uprobes).", nccl_labels)
+    nbytes = _counter(
+        "nccl_bytes_total",
+        "Bytes of NCCL collective calls (libnccl uprobes).",
+        nccl_labels,
+        "bytes",
+    )
+    for nv in snap.nccl:
+        rank = "" if nv.rank is None else str(nv.rank)
+        job = labels[nv.rank][0] if nv.rank in labels else ""
+        lab = [job, rank, nv.host, nv.op]
+        calls.add_metric(lab, float(nv.calls_total))
+        nbytes.add_metric(lab, float(nv.bytes_total))
+    yield from (calls, nbytes)
+
+    active = _gauge(
+        "remediation_active",
+        "1 while the remediator's change to this device is in place, else 0.",
+        ["host", "dev"],
+    )
+    for rv in sorted(snap.remediation, key=lambda v: (v.host, v.dev)):
+        active.add_metric([rv.host, rv.dev], 1.0 if rv.active else 0.0)
+    yield active
+
+
+def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
+    def by_key(name: str, doc: str, label: str, values: dict[str, int]) -> Metric:
+        fam = _counter(name, doc, [label])
+        for key, n in sorted(values.items()):
+            fam.add_metric([key], float(n))
+        return fam
+
+    yield by_key(
+        "records_total", "Trace records the pipeline consumed, by kind.", "kind", snap.records_total
+    )
+    yield by_key(
+        "ingest_messages_total",
+        "Datagrams the ingest socket received: accepted, or the reason it dropped them.",
+        "result",
+        snap.ingest_messages_total,
+    )
+    yield by_key(
+        "events_lost_total",
+        "Probe events lost in the kernel or on the way, by source.",
+        "source",
+        snap.events_lost_total,
+    )
+    runs = _counter("bpf_program_runs_total", "Times the kernel ran the BPF program.", ["program"])
+    run_s = _counter(
+        "bpf_program_run_seconds_total",
+        "CPU time the kernel spent in the BPF program (counted while BPF stats are on).",
+        ["program"],
+        "seconds",
+    )
+    for prog in sorted(snap.bpf_programs, key=lambda p: p.program):
+        runs.add_metric([prog.program], float(prog.runs_total))
+        run_s.add_metric([prog.program], prog.run_ns_total / 1e9)
+    yield from (runs, run_s)
 
     if snap.world_size is not None:
         ws = _gauge("world_size", "Ranks in the job, as the ranks announced it.", [])
         ws.add_metric([], float(snap.world_size))
         yield ws
     newest = _gauge(
-        "last_record_timestamp_seconds", "Time of the newest record seen (Unix seconds).", []
+        "last_record_timestamp_seconds",
+        "Time of the newest record seen (Unix seconds).",
+        [],
+        "seconds",
     )
     newest.add_metric([], snap.t)
     yield newest
+    # A gauge, not the OpenMetrics info type: promtool's text parser (and so
+    # `promtool check metrics`) knows no "info" type.
+    build = _gauge("build_info", "The running fsdp-sentinel: always 1.", ["version"])
+    build.add_metric([__version__], 1.0)
+    yield build
 
 
 def build_registry(
@@ -227,7 +388,9 @@ def build_registry(
 ) -> CollectorRegistry:
     """A fresh registry holding a :class:`SentinelCollector` (and, with
     ``process``, the standard ``process_*`` metrics of this process)."""
-    registry = CollectorRegistry(auto_describe=False)
+    # Our collector describes nothing up front (registration must not build a
+    # snapshot); "without names" keeps it in ``?name[]=`` filtered scrapes.
+    registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
     registry.register(SentinelCollector(snapshot_fn))
     if process:
         from prometheus_client import ProcessCollector

@@ -26,6 +26,7 @@ This module does no I/O and keeps no clock: the caller says what time it is.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import reduce
@@ -33,7 +34,10 @@ from itertools import islice
 from operator import add, gt, itemgetter, le, sub
 from typing import Any, NamedTuple
 
+from fsdp_sentinel import buckets
 from fsdp_sentinel.trace import KEY
+
+_WAIT_BOUNDS = buckets.COLLECTIVE_WAIT_BOUNDS
 
 Record = dict[str, Any]
 
@@ -198,6 +202,7 @@ class _Rank:
     __slots__ = (
         "rank",
         "host",
+        "job",
         "pid",
         "addrs",
         "steps",
@@ -213,6 +218,9 @@ class _Rank:
         "coll_count",
         "coll_bytes",
         "coll_seconds",
+        "wait_seconds_total",
+        "step_buckets",
+        "coll_wait_buckets",
         "_op_plan",
         "bad_fields",
         "pending",
@@ -223,6 +231,7 @@ class _Rank:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.host = ""
+        self.job = ""
         self.pid: int | None = None
         self.addrs: tuple[str, ...] = ()
         self.steps: dict[int, Record] = {}
@@ -239,6 +248,10 @@ class _Rank:
         self.coll_count: dict[str, int] = {}
         self.coll_bytes: dict[str, int] = {}
         self.coll_seconds: dict[str, float] = {}
+        # Histogram counts of the same (the exporter's step and wait histograms).
+        self.wait_seconds_total = 0.0
+        self.step_buckets = buckets.empty(buckets.STEP_DURATION_BOUNDS)
+        self.coll_wait_buckets: dict[str, list[int]] = {}
         self._op_plan: _OpPlan | None = None
         self.bad_fields = 0  # op or bytes fields of coll records that could not be added up
         self.pending: dict[int, Pending] = {}  # seq -> its newest pending record
@@ -255,8 +268,15 @@ class _Rank:
         self.bad_fields += plan.bad
         cnt, nb, secs = self.coll_count, self.coll_bytes, self.coll_seconds
         waits = cols.waits
+        hists = self.coll_wait_buckets
         for key, n, b, pick in plan.per_op:
-            w = cols.total_wait if pick is None else sum(pick(waits))
+            picked = waits if pick is None else pick(waits)
+            w = cols.total_wait if pick is None else sum(picked)
+            counts = hists.get(key)
+            if counts is None:
+                counts = hists[key] = buckets.empty(_WAIT_BOUNDS)
+            for x in picked:
+                counts[bisect_left(_WAIT_BOUNDS, x)] += 1
             if key in cnt:
                 cnt[key] += n
                 nb[key] += b
@@ -477,6 +497,7 @@ class Correlator:
         rank = int(rec["rank"])
         rs = self.rank_of(rank)
         rs.host = str(rec["host"])
+        rs.job = str(rec.get("job") or "")
         rs.pid = int(rec["pid"])
         rs.addrs = tuple(str(a) for a in rec["addrs"])
         t = float(rec["t"])
@@ -560,6 +581,10 @@ class Correlator:
         """``coll`` records filed (pending, summarised or dropped as late)."""
         pending = sum(len(lst) for rs in self.ranks.values() for lst in rs.colls.values())
         return self._colls_done + pending
+
+    def local_rank(self, host: str, pid: int) -> int | None:
+        """The rank of process ``pid`` on ``host`` (None when none announced it)."""
+        return self._local_rank(host, pid)
 
     def _local_rank(self, host: str, pid: int) -> int | None:
         r = self._pid_rank.get((host, pid))
@@ -814,6 +839,8 @@ class Correlator:
                 compute = max(0.0, step_s - wait)
                 rs.steps_total += 1
                 rs.step_seconds_total += step_s
+                rs.wait_seconds_total += min(wait, step_s)
+                buckets.observe(rs.step_buckets, buckets.STEP_DURATION_BOUNDS, step_s)
             rstep = RankStep(
                 rs.rank,
                 step_s,

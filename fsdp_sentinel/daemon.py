@@ -60,7 +60,7 @@ EPILOG = """examples:
 SIGINT/SIGTERM: detach probes, undo tc changes, flush the trace, exit 0.
 """
 
-DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
+DEFAULT_METRICS_ADDR = "127.0.0.1:18965"  # exporters.http.DEFAULT_ADDR (a test checks)
 REMEDIATE_MODES = ("off", "dry-run", "apply")
 
 Record = dict[str, Any]
@@ -151,7 +151,7 @@ class DaemonConfig:
     trace_out: str | None = None
     verdicts_out: str | None = None
     #: (host, port) for /metrics and /api/v1/snapshot; None disables; port 0 picks one.
-    metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9464)
+    metrics_addr: tuple[str, int] | None = ("127.0.0.1", 18965)
     interval: float = 1.0
     #: Records waiting for the pipeline beyond this are refused (and counted).
     queue_max: int = 200_000
@@ -200,6 +200,7 @@ class Daemon:
         self.pipeline_errors = 0
         self.ingest: IngestServer | None = None
         self.http: Any = None
+        self._bpf_stats: Any = None  # probes.bpfstats.RunStats while probes run
         self._trace: TraceWriter | None = None
         self._verdicts: TraceWriter | None = None
         self._failed: set[int] = set()  # writers whose failure was logged
@@ -219,6 +220,10 @@ class Daemon:
             if cfg.verdicts_out:
                 self._verdicts = TraceWriter(cfg.verdicts_out)
             if self.probes is not None:
+                from fsdp_sentinel.probes.bpfstats import RunStats
+
+                self._bpf_stats = RunStats()
+                log.info("BPF run statistics on (%s)", self._bpf_stats.describe())
                 report = self.probes.start()
                 attached = getattr(report, "attached", [])
                 log.info("probes attached: %s", ", ".join(attached) or "none")
@@ -305,6 +310,9 @@ class Daemon:
         if self.probes is not None:
             self._safely("probe detach", self.probes.close)
             self.probes = None
+        if self._bpf_stats is not None:
+            self._bpf_stats.close()
+            self._bpf_stats = None
         if self.http is not None:
             self.http.close()
             self.http = None
@@ -417,6 +425,7 @@ class Daemon:
                 snap,
                 ingest_dropped_total=ingest.dropped_total,
                 ingest_malformed_total=ingest.malformed_total,
+                ingest_messages_total={"accepted": ingest.accepted, **ingest.dropped},
             )
         views = getattr(self.remediator, "views", None)
         if views is not None:
@@ -426,7 +435,25 @@ class Daemon:
             snap = dataclasses.replace(
                 snap, remediation=tuple(RemediationView(h, d, bool(a)) for h, d, a in got)
             )
+        if self.probes is not None:
+            snap = self._with_probe_health(snap, self.probes)
         self._snapshot = snap  # one reference swap: readers see old or new
+
+    def _with_probe_health(self, snap: Snapshot, probes: ProbeSource) -> Snapshot:
+        # Optional on a ProbeSource: ProbeSet has both; a stand-in may have neither.
+        from fsdp_sentinel.snapshot import BpfProgramView
+
+        lost = getattr(probes, "lost_events", None)
+        stats = getattr(probes, "program_stats", None)
+        progs = (self._safely("program stats", stats) or {}) if stats else {}
+        return dataclasses.replace(
+            snap,
+            events_lost_total=(self._safely("lost events", lost) or {}) if lost else {},
+            bpf_programs=tuple(
+                BpfProgramView(name, f.get("run_cnt", 0), f.get("run_time_ns", 0))
+                for name, f in sorted(progs.items())
+            ),
+        )
 
     def snapshot(self) -> Snapshot:
         """The latest published snapshot (any thread)."""

@@ -42,11 +42,12 @@ counted in ``Instrumentation.errors`` (the first one kept in ``first_error``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fsdp_sentinel.emit import DEFAULT_SOCKET, Emitter
@@ -103,6 +104,7 @@ class Instrumentation:
         self.rank = rank
         self.world_size = world_size
         self.host = host
+        self.job = job_id(os.environ)
         self.clock = clock
         self._owns_emitter = owns_emitter
         self.current_step = 0
@@ -148,6 +150,7 @@ class Instrumentation:
                 "host": self.host,
                 "pid": os.getpid(),
                 "addrs": local_addrs(),
+                **({"job": self.job} if self.job else {}),
             }
         )
 
@@ -391,6 +394,21 @@ def _timed_comm_classes() -> tuple[type, type]:
             return work
 
     return TimedAllGather, TimedReduceScatter
+
+
+def job_id(env: Mapping[str, str]) -> str:
+    """The run id of this job, the same on every rank (docs/trace-format.md,
+    ``rank.job``): ``FSDP_SENTINEL_JOB``, else torchelastic's run id (unless
+    torchrun's default ``none``), else Slurm's job id, else a hash of the
+    rendezvous address; ``""`` when there is none of these."""
+    for name in ("FSDP_SENTINEL_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = env.get(name, "")
+        if value and value != "none":
+            return value
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if addr and port:
+        return "rdzv-" + hashlib.sha256(f"{addr}:{port}".encode()).hexdigest()[:8]
+    return ""
 
 
 def instrument(

@@ -36,8 +36,8 @@ DESCRIPTION = (
     "refreshed every second in place. Flagged ranks are highlighted."
 )
 EPILOG = """examples:
-  fsdp-sentinel top                         # daemon on the default 127.0.0.1:9464
-  fsdp-sentinel top --addr 10.0.0.5:9464
+  fsdp-sentinel top                         # daemon on the default 127.0.0.1:18965
+  fsdp-sentinel top --addr 10.0.0.5:18965
   fsdp-sentinel top --once                  # print one table and exit
   fsdp-sentinel top --top 20 --sort score   # the 20 worst ranks by verdict score
 
@@ -47,7 +47,7 @@ Rows come worst first: lost, flagged (by cost), then the rest by their wait,
 least first (the rank the others wait for waits least).
 """
 
-DEFAULT_ADDR = "127.0.0.1:9464"
+DEFAULT_ADDR = "127.0.0.1:18965"
 
 #: Row styles by rank state; "ok" rows are plain.
 STATE_STYLE = {"flagged": "bold red", "lost": "bold magenta"}

@@ -29,6 +29,7 @@ from fsdp_sentinel.correlate import Correlator, RankStep
 from fsdp_sentinel.cost import straggler_cost
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
 from fsdp_sentinel.detect.network import window_s as evidence_window_s
+from fsdp_sentinel.fabric import FabricTotals
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
 from fsdp_sentinel.trace import KEY
 
@@ -93,6 +94,7 @@ class Pipeline:
         self._ticks = 0
         self._verdicts = 0
         self._add_coll = self.corr.add_coll
+        self.fabric = FabricTotals(self.corr.local_rank)
         self._handlers: dict[str, Callable[[Record], list[Record]]] = {
             "rank": self._on_rank,
             "step": self._on_step,
@@ -101,6 +103,8 @@ class Pipeline:
             "conn": self._on_conn,
             "pending": self._on_pending,
             "clock": self._on_clock,
+            "rdma": self._on_rdma,
+            "nccl": self._on_nccl,
         }
 
     # ------------------------------------------------------------ public
@@ -211,6 +215,7 @@ class Pipeline:
                 RankView(
                     rank=r,
                     host=rs.host,
+                    job=rs.job,
                     pid=rs.pid,
                     step=rs.done_step if rs.done_step >= 0 else None,
                     step_seconds=last.step_s if last else None,
@@ -233,6 +238,9 @@ class Pipeline:
                     coll_count_total=dict(rs.coll_count),
                     coll_bytes_total=dict(rs.coll_bytes),
                     coll_seconds_total=dict(rs.coll_seconds),
+                    wait_seconds_total=rs.wait_seconds_total,
+                    step_buckets=tuple(rs.step_buckets),
+                    coll_wait_buckets={op: tuple(c) for op, c in rs.coll_wait_buckets.items()},
                 )
             )
         return Snapshot(
@@ -242,6 +250,8 @@ class Pipeline:
             peers=tuple(peers),
             verdicts_total=dict(self.verdicts_total),
             records_total=self.records_total,
+            rdma_ports=self.fabric.rdma_ports(),
+            nccl=self.fabric.nccl(),
         )
 
     # ------------------------------------------------------------ handlers
@@ -302,6 +312,14 @@ class Pipeline:
     def _on_conn(self, rec: Record) -> list[Record]:
         self.corr.add_conn(rec)
         return self._advance(float(rec["t"]))
+
+    def _on_rdma(self, rec: Record) -> list[Record]:
+        self.fabric.add_rdma(rec)
+        return self._on_clock(rec)
+
+    def _on_nccl(self, rec: Record) -> list[Record]:
+        self.fabric.add_nccl(rec)
+        return self._on_clock(rec)
 
     def _on_step(self, rec: Record) -> list[Record]:
         step = rec["step"]

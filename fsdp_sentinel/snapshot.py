@@ -9,6 +9,7 @@ monotonic counters since the pipeline started (Prometheus ``_total`` style);
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,11 +23,21 @@ class RankView:
     rank-hours per hour) are those of the rank's open verdict (None when it
     has none); for a network verdict, ``scope`` is ``"node"`` (the host) or
     ``"link"`` (the path between the rank and ``peer_rank``). ``job`` is the
-    job id the rank announced.
+    run id the rank announced (``""`` when it announced none).
+
+    ``step_buckets`` counts summarised step durations per bucket of
+    :data:`fsdp_sentinel.buckets.STEP_DURATION_BOUNDS` (not cumulative; the
+    last one is above every bound; their sum is ``steps_total``);
+    ``coll_wait_buckets[op]`` does the same for the time the rank waited for
+    each collective (:data:`~fsdp_sentinel.buckets.COLLECTIVE_WAIT_BOUNDS`;
+    sum ``coll_count_total[op]``, total time ``coll_seconds_total[op]``).
+    ``wait_seconds_total`` is the part of ``step_seconds_total`` spent
+    blocked in collectives.
     """
 
     rank: int
     host: str = ""
+    job: str = ""
     pid: int | None = None
     step: int | None = None
     step_seconds: float | None = None
@@ -44,12 +55,14 @@ class RankView:
     cause: str | None = None
     score: float | None = None
     cost: dict[str, Any] | None = None
-    job: str | None = None
     scope: str | None = None
     peer_rank: int | None = None
     coll_count_total: dict[str, int] = field(default_factory=dict)
     coll_bytes_total: dict[str, int] = field(default_factory=dict)
     coll_seconds_total: dict[str, float] = field(default_factory=dict)
+    wait_seconds_total: float = 0.0
+    step_buckets: tuple[int, ...] = ()
+    coll_wait_buckets: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,8 +87,51 @@ class RemediationView:
 
 
 @dataclass(frozen=True)
+class RdmaPortView:
+    """Totals of one RDMA port's sysfs counters since the pipeline started.
+
+    ``errors`` holds the error and discard counters by their sysfs name
+    (``symbol_error``, ``port_rcv_errors``, ...), only those that moved.
+    """
+
+    host: str
+    dev: str
+    port: int
+    tx_bytes_total: int = 0
+    rx_bytes_total: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NcclView:
+    """NCCL calls one rank made through libnccl (from the uprobes), by op."""
+
+    host: str
+    rank: int | None
+    op: str
+    calls_total: int = 0
+    bytes_total: int = 0
+
+
+@dataclass(frozen=True)
+class BpfProgramView:
+    """Kernel run statistics of one loaded BPF program (``run_cnt``,
+    ``run_time_ns`` in its fdinfo; they count only while BPF stats are on)."""
+
+    program: str
+    runs_total: int = 0
+    run_ns_total: int = 0
+
+
+@dataclass(frozen=True)
 class Snapshot:
-    """Everything a view needs; ``t`` is the newest record time seen."""
+    """Everything a view needs; ``t`` is the newest record time seen.
+
+    The pipeline fills the job's part; the daemon adds what only it knows:
+    ``ingest_messages_total`` (datagrams by result: ``accepted`` or a drop
+    reason), ``events_lost_total`` (kernel-side losses by source),
+    ``bpf_programs`` and, from the remediator, ``remediation``.
+    """
 
     t: float = 0.0
     world_size: int | None = None
@@ -85,6 +141,11 @@ class Snapshot:
     records_total: dict[str, int] = field(default_factory=dict)  # by kind
     ingest_dropped_total: int = 0
     ingest_malformed_total: int = 0
+    ingest_messages_total: dict[str, int] = field(default_factory=dict)
+    events_lost_total: dict[str, int] = field(default_factory=dict)
+    bpf_programs: tuple[BpfProgramView, ...] = ()
+    rdma_ports: tuple[RdmaPortView, ...] = ()
+    nccl: tuple[NcclView, ...] = ()
     remediation: tuple[RemediationView, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -92,8 +153,25 @@ class Snapshot:
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> Snapshot:
-        ranks = tuple(RankView(**r) for r in obj.get("ranks", ()))
-        peers = tuple(PeerView(**p) for p in obj.get("peers", ()))
-        remediation = tuple(RemediationView(**v) for v in obj.get("remediation", ()))
-        rest = {k: v for k, v in obj.items() if k not in ("ranks", "peers", "remediation")}
-        return Snapshot(ranks=ranks, peers=peers, remediation=remediation, **rest)
+        rest = {k: v for k, v in obj.items() if k not in _NESTED}
+        nested = {k: tuple(cls(**x) for x in obj.get(k, ())) for k, cls in _NESTED.items()}
+        ranks = tuple(
+            dataclasses.replace(
+                r,
+                step_buckets=tuple(r.step_buckets),
+                coll_wait_buckets={op: tuple(c) for op, c in r.coll_wait_buckets.items()},
+            )
+            for r in nested.pop("ranks")
+        )
+        return Snapshot(ranks=ranks, **nested, **rest)  # type: ignore[arg-type]
+
+
+#: Snapshot fields that hold views, and the view each item is.
+_NESTED: dict[str, type] = {
+    "ranks": RankView,
+    "peers": PeerView,
+    "bpf_programs": BpfProgramView,
+    "rdma_ports": RdmaPortView,
+    "nccl": NcclView,
+    "remediation": RemediationView,
+}

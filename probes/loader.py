@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import records as R
+from .bpfstats import read_fdinfo
 from .libscan import LibraryScanner
 from .program import Program, build_program
 from .rdma import RdmaReader
@@ -565,20 +566,31 @@ class ProbeSet:
     def _poll_qps(self, b: Any, batch: bool, now: float, host: str) -> list[dict]:
         return R.qp_records(self._harvest("qps"), now, host)
 
+    def program_stats(self) -> dict[str, dict[str, int]]:
+        """Per loaded program, the kernel's ``run_cnt``, ``run_time_ns`` (they
+        move only while BPF stats are on: :class:`.bpfstats.RunStats`) and
+        ``recursion_misses``, from this process's fdinfo."""
+        return read_fdinfo(self.program_fds())
+
     def missed_events(self) -> dict[str, int]:
         """Per program, events the kernel skipped because another BPF tracing
         program (any tool's) or a BPF map syscall held this CPU at that moment
         (``recursion_misses`` in the program's fdinfo)."""
-        out: dict[str, int] = {}
-        for name, fd in self.program_fds().items():
-            try:
-                text = Path(f"/proc/self/fdinfo/{fd}").read_text()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                if line.startswith("recursion_misses:"):
-                    out[name] = int(line.split()[1])
-        return out
+        return {
+            name: figs["recursion_misses"]
+            for name, figs in self.program_stats().items()
+            if "recursion_misses" in figs
+        }
+
+    def lost_events(self) -> dict[str, int]:
+        """Events lost on the kernel side so far, by source (the exporter's
+        ``events_lost_total``): ``map_eviction`` (entries the LRU maps evicted
+        before a poll read them), ``tracepoint_miss`` (program runs the kernel
+        skipped). A source added here is exported with no other change."""
+        return {
+            "map_eviction": sum(self.evictions.evicted().values()),
+            "tracepoint_miss": sum(self.missed_events().values()),
+        }
 
     def stats(self) -> dict[str, Any]:
         """Health of the probes: LRU evictions per map, bytes parked on

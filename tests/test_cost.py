@@ -60,3 +60,27 @@ def test_a_lost_rank_is_priced_as_stopping_the_job() -> None:
     lost = [v for r in recs for v in pipe.feed(r) if v["cause"] == "rank_lost"]
     assert lost and lost[0]["evidence"]["cost"]["stops_job"] is True
     assert lost[0]["evidence"]["cost"]["rank_hours_per_hour"] == 4.0
+
+
+def test_the_cost_is_exported_for_the_flagged_rank_only() -> None:
+    from fsdp_sentinel.exporters.prometheus import families
+
+    recs, _ = generate(Scenario(ranks=4, steps=30, faults=(SlowCompute(2, 1.6, 10, 30),)))
+    pipe = Pipeline()
+    pipe.feed_many(recs)
+    snap = pipe.snapshot()
+    (flagged,) = [r for r in snap.ranks if r.state != "ok"]
+    got = {
+        (f.name, s.labels["rank"]): s.value
+        for f in families(snap)
+        if f.name.startswith("fsdp_sentinel_straggler_cost")
+        for s in f.samples
+    }
+    assert flagged.cost is not None
+    want = flagged.cost["rank_hours_per_hour"]
+    assert got == {
+        ("fsdp_sentinel_straggler_cost_rank_hours_per_hour", str(flagged.rank)): want,
+        ("fsdp_sentinel_straggler_cost_step_seconds", str(flagged.rank)): flagged.cost[
+            "seconds_per_step"
+        ],
+    }

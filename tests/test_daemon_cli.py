@@ -99,11 +99,15 @@ def test_run_ingests_serves_and_leaves_a_replayable_trace(start_daemon, tmp_path
     assert snap["world_size"] == 4 and [r["rank"] for r in snap["ranks"]] == [0, 1, 2, 3]
     assert snap["ingest_malformed_total"] == 2
     metrics = get_text(url + "/metrics")
-    assert 'fsdp_sentinel_steps_total{host="synth-h0",rank="0"} 20.0' in metrics
-    assert "fsdp_sentinel_ingest_malformed_total 2.0" in metrics
+    assert (
+        'fsdp_sentinel_step_duration_seconds_count{host="synth-h0",job="",rank="0"} 20.0' in metrics
+    )
+    dropped = re.findall(r'fsdp_sentinel_ingest_messages_total\{result="(\w+)"\} (\d+)\.0', metrics)
+    assert sum(int(n) for why, n in dropped if why not in ("accepted", "refused")) == 2
     on = set(
         re.findall(
-            r'fsdp_sentinel_straggler\{cause="(\w+)",host="[^"]*",rank="(\d+)"\} 1\.0', metrics
+            r'fsdp_sentinel_straggler\{cause="(\w+)",host="[^"]*",job="[^"]*",rank="(\d+)"\} 1\.0',
+            metrics,
         )
     )
 

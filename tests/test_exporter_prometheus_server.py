@@ -8,10 +8,6 @@ worked out from the records the test sent, not from the exporter.
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
-import urllib.parse
 import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
@@ -20,19 +16,12 @@ from typing import Any
 
 import pytest
 from daemon_support import DaemonProcess, send_paced, wait_for
+from prometheus_support import prometheus_server, query
 
 from fsdp_sentinel.emit import Emitter
 from fsdp_sentinel.synth import Scenario, SlowCompute, generate
 
 pytestmark = pytest.mark.prometheus
-
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -55,42 +44,9 @@ def daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str, list[dict[str, 
 
 @pytest.fixture
 def prometheus(tmp_path: Path, daemon) -> Iterator[str]:
-    if not Path(PROMETHEUS).exists():
-        pytest.fail(f"{PROMETHEUS} missing: run scripts/setup.sh (Debian package prometheus)")
     _, url, _ = daemon
-    target = url.removeprefix("http://")
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        "scrape_configs:\n  - job_name: fsdp-sentinel\n"
-        f"    static_configs:\n      - targets: ['{target}']\n"
-    )
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={cfg}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],  # fmt: skip
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def query(base: str, promql: str) -> list[dict[str, Any]]:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    result: list[dict[str, Any]] = body["data"]["result"]
-    return result
+    with prometheus_server(tmp_path, url.removeprefix("http://")) as base:
+        yield base
 
 
 def values(result: list[dict[str, Any]], *labels: str) -> dict[tuple[str, ...], float]:
@@ -102,7 +58,7 @@ def test_prometheus_scrapes_the_daemon(prometheus: str, daemon) -> None:
 
     def scraped_everything() -> bool:
         try:
-            got = query(prometheus, "fsdp_sentinel_records_total")
+            got = query(prometheus, "sum(fsdp_sentinel_records_total)")
         except OSError:
             return False  # Prometheus still starting
         return bool(got) and float(got[0]["value"][1]) >= len(recs)
@@ -110,6 +66,8 @@ def test_prometheus_scrapes_the_daemon(prometheus: str, daemon) -> None:
     wait_for(scraped_everything, timeout=90, what="Prometheus to scrape all records")
 
     assert values(query(prometheus, 'up{job="fsdp-sentinel"}'), "job") == {("fsdp-sentinel",): 1.0}
+    # Prometheus negotiated OpenMetrics (its default Accept) and stored the histograms
+    assert query(prometheus, 'fsdp_sentinel_step_duration_seconds_bucket{le="+Inf"}')
 
     steps: dict[str, int] = defaultdict(int)
     coll_bytes: dict[str, int] = defaultdict(int)
@@ -118,7 +76,7 @@ def test_prometheus_scrapes_the_daemon(prometheus: str, daemon) -> None:
             steps[str(r["rank"])] += 1
         elif r["kind"] == "coll":
             coll_bytes[r["op"]] += r["bytes"]
-    got_steps = values(query(prometheus, "fsdp_sentinel_steps_total"), "rank")
+    got_steps = values(query(prometheus, "fsdp_sentinel_step_duration_seconds_count"), "rank")
     assert got_steps == {(rank,): float(n) for rank, n in steps.items()}
 
     got_bytes = values(

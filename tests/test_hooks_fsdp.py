@@ -76,6 +76,9 @@ def test_rank_record_first(trainer_trace: dict[int, list[dict[str, Any]]]) -> No
         assert (first["rank"], first["world_size"]) == (rank, WORLD)
         assert first["addrs"] == local_addrs()
         assert isinstance(first["pid"], int) and first["host"]
+    # one run id for the whole job, whatever the launcher set (docs/trace-format.md)
+    jobs = {recs[0].get("job") for recs in trainer_trace.values()}
+    assert len(jobs) == 1 and all(jobs), jobs
 
 
 @pytest.mark.torch

@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "__init__": 0,
     "trace": 0,
     "snapshot": 0,
+    "buckets": 0,
     "hostinfo": 0,
     "interrupts": 0,
     "truth": 0,
@@ -31,6 +32,7 @@ LAYERS: dict[str, int] = {
     "trainer": 3,
     # the brain
     "correlate": 2,
+    "fabric": 2,
     "detect": 3,
     "pipeline": 4,
     # consumers of the pipeline's output, and the lab
