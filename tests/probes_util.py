@@ -211,3 +211,21 @@ def nstat(counter: str, netns: str | None = None) -> int:
         if parts and parts[0] == counter:
             return int(parts[1])
     raise AssertionError(f"nstat shows no {counter}: {text!r}")
+
+
+@contextlib.contextmanager
+def lossy(dev: str, netns: str, p: float) -> Iterator[None]:
+    """Drop a random fraction ``p`` of the packets arriving on ``dev``: the
+    lab's own drop classifier (cls_bpf on clsact ingress; this kernel has no
+    netem), so the far end's TCP retransmits."""
+    from fsdp_sentinel.lab import loss, netlink
+
+    bpf, fd, name = loss.load_drop_program(p)
+    ipr = netlink.open_existing(netns)
+    try:
+        netlink.attach_bpf(ipr, dev, fd, name, netlink.CLSACT_INGRESS)
+        yield
+    finally:
+        netlink.remove_clsact(ipr, dev)
+        ipr.close()
+        bpf.cleanup()

@@ -18,6 +18,7 @@ from probes_util import (
     NS_A,
     NS_B,
     Peer,
+    lossy,
     nstat,
     proc_net_dev,
     shaped,
@@ -144,8 +145,8 @@ def _bracketed_poll(lab: ProbeSet) -> tuple[list[dict], dict, dict]:
 
 
 def test_lossy_link_srtt_retransmits_and_devices_match_the_kernel(lab: ProbeSet) -> None:
-    # 50 Mbit with a 12 KB queue: the tbf drops, TCP retransmits.
-    with shaped(DEV_A, NS_A, "50mbit", limit="12kb"):
+    # 100 Mbit out of a, 1 % of what arrives at b dropped: a retransmits.
+    with shaped(DEV_A, NS_A, "100mbit"), lossy(DEV_B, NS_B, 0.01):
         rcv = Peer("recv", ADDR_B, str(PORT + 2), str(N // 2), netns=NS_B)
         snd = None
         try:
@@ -194,6 +195,4 @@ def test_lossy_link_srtt_retransmits_and_devices_match_the_kernel(lab: ProbeSet)
             got_b = sum(r[field] for r in recs if r["kind"] == "netdev" and r["dev"] == dev)
             low, high = lo1[dev][i] - hi0[dev][i], hi1[dev][i] - lo0[dev][i]
             assert low <= got_b <= high, (dev, field, low, got_b, high)
-    drops = sum(r.get("drops", 0) for r in recs if r["kind"] == "netdev" and r["dev"] == DEV_A)
-    assert drops > 0
     assert all(v == 0 for v in skipped.values()), skipped
