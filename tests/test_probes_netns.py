@@ -144,7 +144,10 @@ def _bracketed_poll(lab: ProbeSet) -> tuple[list[dict], dict, dict]:
     return recs, lo, hi
 
 
-def test_lossy_link_srtt_retransmits_and_devices_match_the_kernel(lab: ProbeSet) -> None:
+@pytest.fixture(scope="module")
+def lossy_run(lab: ProbeSet) -> dict:
+    """One transfer over a shaped, lossy link, with the kernel's own figures
+    read beside the probes' (several tests assert on it)."""
     # 100 Mbit out of a, 1 % of what arrives at b dropped: a retransmits.
     with shaped(DEV_A, NS_A, "100mbit"), lossy(DEV_B, NS_B, 0.01):
         rcv = Peer("recv", ADDR_B, str(PORT + 2), str(N // 2), netns=NS_B)
@@ -184,10 +187,25 @@ def test_lossy_link_srtt_retransmits_and_devices_match_the_kernel(lab: ProbeSet)
                 if p:
                     p.tell()
                     p.close()
-    want_retrans = retrans_after - retrans_before
-    got_retrans = sum(r["retrans"] for r in recs if r["kind"] == "flow" and r["src"] == client)
-    assert want_retrans > 0, "the lossy link lost nothing: the oracle proves nothing"
-    assert got_retrans == want_retrans, (got_retrans, want_retrans)
+    return {
+        "recs": recs,
+        "client": client,
+        "ratios": ratios,
+        "want_retrans": retrans_after - retrans_before,
+        "proc": (lo0, hi0, lo1, hi1),
+        "skipped": skipped,
+    }
+
+
+def _retrans(run: dict) -> int:
+    return sum(
+        r["retrans"] for r in run["recs"] if r["kind"] == "flow" and r["src"] == run["client"]
+    )
+
+
+def test_lossy_link_srtt_devices_and_no_missed_events(lossy_run: dict) -> None:
+    recs, ratios = lossy_run["recs"], lossy_run["ratios"]
+    lo0, hi0, lo1, hi1 = lossy_run["proc"]
     assert len(ratios) >= 4, ratios
     assert abs(statistics.median(ratios) - 1.0) <= 0.10, ratios
     for dev in (DEV_A, DEV_B):
@@ -195,4 +213,17 @@ def test_lossy_link_srtt_retransmits_and_devices_match_the_kernel(lab: ProbeSet)
             got_b = sum(r[field] for r in recs if r["kind"] == "netdev" and r["dev"] == dev)
             low, high = lo1[dev][i] - hi0[dev][i], hi1[dev][i] - lo0[dev][i]
             assert low <= got_b <= high, (dev, field, low, got_b, high)
-    assert all(v == 0 for v in skipped.values()), skipped
+    assert all(v == 0 for v in lossy_run["skipped"].values()), lossy_run["skipped"]
+    # Every retransmit event is one the kernel counted too.
+    assert lossy_run["want_retrans"] > 0, "the lossy link lost nothing: the oracle proves nothing"
+    assert 0 < _retrans(lossy_run) <= lossy_run["want_retrans"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tcp_retransmit_skb fires once per retransmitted skb; TcpRetransSegs adds "
+    "tcp_skb_pcount (GSO segments) per skb, which no tracepoint field carries "
+    "(seen: 12 events, 91 segments). Open: see docs/probes.md.",
+)
+def test_lossy_link_retransmits_equal_tcpretranssegs(lossy_run: dict) -> None:
+    assert _retrans(lossy_run) == lossy_run["want_retrans"]
