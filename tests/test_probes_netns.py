@@ -150,14 +150,14 @@ def lossy_run(lab: ProbeSet) -> dict:
     read beside the probes' (several tests assert on it)."""
     # 100 Mbit out of a, 1 % of what arrives at b dropped: a retransmits.
     with shaped(DEV_A, NS_A, "100mbit"), lossy(DEV_B, NS_B, 0.01):
-        rcv = Peer("recv", ADDR_B, str(PORT + 2), str(N // 2), netns=NS_B)
+        rcv = Peer("recv", ADDR_B, str(PORT + 2), str(2 * N), netns=NS_B)
         snd = None
         try:
             rcv.expect("listening")
             recs0, lo0, hi0 = _bracketed_poll(lab)
             missed_before = lab.missed_events()
             retrans_before = nstat("TcpRetransSegs", NS_A)
-            snd = Peer("send", ADDR_B, str(PORT + 2), str(N // 2), "--cubic", netns=NS_A)
+            snd = Peer("send", ADDR_B, str(PORT + 2), str(2 * N), "--cubic", netns=NS_A)
             cport = snd.expect("port")
             client = f"{ADDR_A}:{cport}"
             recs: list[dict] = []
@@ -172,9 +172,9 @@ def lossy_run(lab: ProbeSet) -> dict:
                 if flow and "srtt_us" in flow[0]:
                     ratios.append(flow[0]["srtt_us"] / ss_rtt_us)
             snd.expect("sent")
-            assert rcv.expect("got") == str(N // 2)
+            assert rcv.expect("got") == str(2 * N)
             deadline = time.monotonic() + 10
-            while ss_find(client, NS_A).num("bytes_acked") <= N // 2:
+            while ss_find(client, NS_A).num("bytes_acked") <= 2 * N:
                 assert time.monotonic() < deadline, "transfer never fully acked"
                 time.sleep(0.05)
             time.sleep(0.3)  # a last retransmit's tracepoint lands before the poll
