@@ -4,7 +4,8 @@
 bcc, attaches every tracepoint this kernel offers and reports the rest;
 ``poll()`` drains the kernel's counting maps (batch lookup-and-delete where
 the kernel has it) and returns ``flow``, ``netdev``, ``conn``, ``nccl`` and
-``qp`` records holding the deltas since the previous poll. Uprobes on libnccl
+``qp`` records holding the deltas since the previous poll (``netdev`` from
+netlink link and qdisc stats, probes/devstats.py: no kernel program). Uprobes on libnccl
 and libibverbs are attached once a traced process maps those libraries.
 
 bcc is imported only in ``start()``, so this module imports on any machine.
