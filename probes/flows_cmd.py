@@ -110,7 +110,7 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from .loader import ProbeConfig, ProbeLoadError, ProbePermissionError, ProbeSet
 
     pids = args.pid or []
-    config = ProbeConfig(interval=args.interval, pid_filter=bool(pids), families=("tcp", "netdev"))
+    config = ProbeConfig(interval=args.interval, pid_filter=bool(pids), families=("tcp",))
     probes = ProbeSet(config)
     if args.ebpf:
         out.write(probes.program_text())

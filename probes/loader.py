@@ -4,7 +4,8 @@
 bcc, attaches every tracepoint this kernel offers and reports the rest;
 ``poll()`` drains the kernel's counting maps (batch lookup-and-delete where
 the kernel has it) and returns ``flow``, ``netdev``, ``conn``, ``nccl`` and
-``qp`` records holding the deltas since the previous poll. Uprobes on libnccl
+``qp`` records holding the deltas since the previous poll (``netdev`` from
+netlink link and qdisc stats, probes/devstats.py: no kernel program). Uprobes on libnccl
 and libibverbs are attached once a traced process maps those libraries.
 
 bcc is imported only in ``start()``, so this module imports on any machine.
@@ -26,6 +27,7 @@ from typing import Any
 
 from . import records as R
 from .bpfstats import read_fdinfo
+from .devstats import DeviceStats
 from .libscan import LibraryScanner
 from .program import Program, build_program
 from .rdma import RdmaReader
@@ -40,7 +42,6 @@ STAT_NAMES = {
     2: "socks",
     3: "conn_events",
     4: "retrans",
-    5: "devs",
     6: "nccl_calls",
     7: "qps",
 }
@@ -54,7 +55,6 @@ DRAINED_MAPS = (
     "orphans",
     "conn_events",
     "retrans",
-    "devs",
     "nccl_calls",
     "qps",
 )
@@ -90,7 +90,8 @@ class ProbeConfig:
     families: tuple[str, ...] = ("tcp", "netdev", "nccl", "verbs")
     tracefs_root: str | None = None  # None: find it
     proc_root: str = "/proc"
-    sysfs_net: str = "/sys/class/net"
+    #: named network namespaces whose devices ``netdev`` reads too (None: only ours)
+    netns_dir: str | None = "/run/netns"
     rdma_root: str | None = "/sys/class/infiniband"  # None: no RDMA port counters
     library_scan_interval: float = 5.0
     max_flows: int = 16384
@@ -201,8 +202,7 @@ class ProbeSet:
         self._pending_conns: list[tuple[dict[str, Any], int, R.Tuple, int]] = []
         self._stats: dict[int, int] = {}
         self.lost_orphan_bytes = 0
-        self._known_devs: set[str] = set()
-        self._dev_types: dict[str, int | None] = {}
+        self._devstats: DeviceStats | None = None
         self._registered: set[int] = set()
         self._attached_libs: set[tuple[int, int]] = set()
         self._scanner = LibraryScanner(self.config.proc_root)
@@ -265,7 +265,10 @@ class ProbeSet:
             self.evictions.harvest(name, sum(1 for _ in _drain(table, self._batch)))
         self._last_t = self._clock()
         self._stats = self._read_stats()
-        self._known_devs |= self._local_devices()
+        if "netdev" in self.config.families:
+            self._devstats = DeviceStats(self.config.netns_dir)
+            self._devstats.poll()  # baseline
+            self.report.attached.append("netlink:link+qdisc stats")
         self.scan_libraries(force=True)
         if self._rdma is not None and self._rdma.present():
             self._rdma.poll()  # baseline
@@ -308,6 +311,9 @@ class ProbeSet:
 
     def close(self) -> None:
         """Detach everything (idempotent)."""
+        if self._devstats is not None:
+            self._devstats.close()
+            self._devstats = None
         if self._bpf is not None:
             try:
                 self._bpf.cleanup()
@@ -409,22 +415,6 @@ class ProbeSet:
     def _stat(self, idx: int) -> int:
         return self._stats.get(idx, 0)
 
-    def _local_devices(self) -> set[str]:
-        try:
-            return set(os.listdir(self.config.sysfs_net))
-        except OSError:
-            return set()
-
-    def _dev_type(self, name: str) -> int | None:
-        if name not in self._dev_types:
-            try:
-                self._dev_types[name] = int(
-                    Path(self.config.sysfs_net, name, "type").read_text().strip()
-                )
-            except (OSError, ValueError):
-                self._dev_types[name] = None
-        return self._dev_types[name]
-
     def poll(self) -> list[dict[str, Any]]:
         """Records for the deltas since the previous poll (or start)."""
         if self._bpf is None:
@@ -443,7 +433,7 @@ class ProbeSet:
         if "tcp" in fams:
             out += self._poll_tcp(b, batch, now, dt, host)
         if "netdev" in fams:
-            out += self._poll_netdev(b, batch, now, dt, host)
+            out += self._poll_netdev(now, dt, host)
         if "nccl" in fams:
             out += self._poll_nccl(b, batch, now, dt, host)
         if "verbs" in fams:
@@ -549,15 +539,10 @@ class ProbeSet:
         self._pending_conns = keep
         return out
 
-    def _poll_netdev(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
-        devs: dict[str, R.DevFigures] = {}
-        for k, v in self._harvest("devs"):
-            name = k.name.decode(errors="replace")
-            fig = devs.setdefault(name, R.DevFigures())
-            fig.add(*_fields(v, *R.DevFigures.FIELDS))
-        self._known_devs |= set(devs)
-        types = {name: self._dev_type(name) for name in self._known_devs}
-        return R.netdev_records(devs, self._known_devs, types, now, dt, host)
+    def _poll_netdev(self, now: float, dt: float, host: str) -> list[dict]:
+        if self._devstats is None:
+            return []
+        return R.netdev_records(self._devstats.poll(), now, dt, host)
 
     def _poll_nccl(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
         comms = {_int(k): v for k, v in _read_all(b[b"nccl_comms"], batch)}

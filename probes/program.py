@@ -59,14 +59,19 @@ TRACEPOINTS: tuple[TracepointProbe, ...] = (
     TracepointProbe("tcp", "tcp:tcp_retransmit_skb", ("skaddr", *_TUPLE_FIELDS)),
     TracepointProbe("tcp", "tcp:tcp_send_reset", ("skaddr", "saddr", "daddr")),
     TracepointProbe("tcp", "tcp:tcp_receive_reset", ("skaddr", *_TUPLE_FIELDS)),
-    TracepointProbe("netdev", "net:net_dev_xmit", ("len", "rc", "name")),
-    TracepointProbe("netdev", "net:netif_receive_skb", ("len", "name")),
+)
+
+#: (tracepoint, field, define): fields read only where the kernel has them.
+#: tcp_retransmit_skb gained `err` (6.x): it then also fires for retransmits
+#: that failed to leave, which the kernel's TcpRetransSegs does not count.
+OPTIONAL_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("tcp:tcp_retransmit_skb", "err", "SENTINEL_RETRANS_HAS_ERR"),
 )
 
 #: family -> C source files (after common.c), in order.
 FAMILY_SOURCES: dict[str, tuple[str, ...]] = {
     "tcp": ("tcp_flows.c",),
-    "netdev": ("netdev.c",),
+    # netdev has no kernel program: its counters come from netlink (devstats.py)
     "nccl": ("nccl.c",),
     "verbs": ("verbs.c",),
 }
@@ -117,6 +122,10 @@ def build_program(
     for key, value in sorted((defines or {}).items()):
         lines.append(f"#define {key} {int(value)}")
     lines += [f"#define {tp.define} 1" for tp in present]
+    names = {tp.name for tp in present}
+    for tp_name, fld, define in OPTIONAL_FIELDS:
+        if tp_name in names and check_tracepoint(tracefs_root, tp_name, (fld,)).reason is None:
+            lines.append(f"#define {define} 1")
     if any(tp.name == "tcp:tcp_send_reset" for tp in present) and not _headers_define_rst_reason():
         # tcp_send_reset's format names an enum that older headers lack; bcc
         # declares the field with it, so give it a body (we never read it).

@@ -9,15 +9,10 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 AF_INET = 2
 AF_INET6 = 10
-
-#: ARPHRD_* device types (from /sys/class/net/DEV/type).
-ARPHRD_ETHER = 1
-ARPHRD_LOOPBACK = 772
-ETH_HLEN = 14
 
 CONN_WHAT = {1: "open", 2: "close", 3: "reset", 4: "reset"}
 RESET_DIRECTION = {3: "sent", 4: "received"}
@@ -114,71 +109,20 @@ def flow_records(
     return out
 
 
-@dataclass
-class DevFigures:
-    tx_bytes: int = 0
-    rx_bytes: int = 0
-    tx_packets: int = 0
-    rx_packets: int = 0
-    tx_errors: int = 0
-
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "tx_bytes",
-        "rx_bytes",
-        "tx_packets",
-        "rx_packets",
-        "tx_errors",
-    )
-
-    def add(self, *values: int) -> None:
-        for name, value in zip(self.FIELDS, values, strict=True):
-            setattr(self, name, getattr(self, name) + value)
-
-
-def link_adjust(dev_type: int | None) -> tuple[int, int]:
-    """Bytes to add per (sent, received) packet so that traced ``skb->len``
-    matches the driver's own counters (``/proc/net/dev``).
-
-    ``net_dev_xmit`` sees the frame with its link-layer header;
-    ``netif_receive_skb`` runs after the driver pulled it (eth_type_trans).
-    Ethernet-like drivers (veth, NICs, bridges) count whole frames, so each
-    received packet gets its 14 header bytes back. Loopback counts the length
-    after the pull in both directions, so each sent packet loses 14. Devices
-    without a link header (tun, wireguard) need nothing. A device in another
-    namespace has no sysfs entry here: it is taken to be Ethernet.
-    """
-    if dev_type is None or dev_type == ARPHRD_ETHER:
-        return 0, ETH_HLEN
-    if dev_type == ARPHRD_LOOPBACK:
-        return -ETH_HLEN, 0
-    return 0, 0
-
-
 def netdev_records(
-    devs: dict[str, DevFigures],
-    known: Iterable[str],
-    dev_types: dict[str, int | None],
-    t: float,
-    dt: float,
-    host: str,
+    devs: dict[str, tuple[dict[str, int], Any]], t: float, dt: float, host: str
 ) -> list[dict[str, Any]]:
-    """One ``netdev`` record per known device, zero deltas included."""
+    """One ``netdev`` record per device, zero deltas included, from
+    DeviceStats.poll() (probes/devstats.py): the driver's own counter deltas,
+    the qdiscs' ``drops`` delta and their ``backlog`` (bytes) and ``qlen``
+    (packets) now."""
     out = []
-    for name in sorted(set(known) | set(devs)):
-        fig = devs.get(name, DevFigures())
-        tx_adj, rx_adj = link_adjust(dev_types.get(name))
-        rec: dict[str, Any] = {
-            "kind": "netdev",
-            "t": t,
-            "dt": dt,
-            "host": host,
-            "dev": name,
-            "tx_bytes": max(0, fig.tx_bytes + tx_adj * fig.tx_packets),
-            "rx_bytes": max(0, fig.rx_bytes + rx_adj * fig.rx_packets),
-            "tx_packets": fig.tx_packets,
-            "rx_packets": fig.rx_packets,
-            "tx_errors": fig.tx_errors,
-        }
+    for name in sorted(devs):
+        delta, sample = devs[name]
+        rec: dict[str, Any] = {"kind": "netdev", "t": t, "dt": dt, "host": host, "dev": name}
+        rec.update(delta)
+        rec["backlog"] = int(sample.backlog)
+        rec["qlen"] = int(sample.qlen)
         out.append(rec)
     return out
 

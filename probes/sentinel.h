@@ -1,11 +1,13 @@
 /* sentinel.h: the structs shared by the kernel programs (tcp_flows.c,
- * netdev.c, nccl.c, verbs.c) and the user-side loader (probes/loader.py),
+ * nccl.c, verbs.c) and the user-side loader (probes/loader.py),
  * which decodes map keys and values through the ctypes bcc builds from these
  * very declarations.
  *
  * Every figure here comes from a tracepoint argument or a uprobe argument,
  * never from a kernel struct read through header offsets: the headers bcc
  * compiles against may belong to another kernel than the one running.
+ *
+ * (Device counters are not here: probes/devstats.py reads them from netlink.)
  *
  * Compile-time tunables (read-only once loaded; the loader passes -D flags):
  *   SENTINEL_FILTER_PIDS  1: count only processes registered in `pids`
@@ -26,9 +28,6 @@
 #endif
 #ifndef SENTINEL_MAX_EVENTS
 #define SENTINEL_MAX_EVENTS 8192
-#endif
-#ifndef SENTINEL_MAX_DEVS
-#define SENTINEL_MAX_DEVS 1024
 #endif
 #ifndef SENTINEL_MAX_PIDS
 #define SENTINEL_MAX_PIDS 4096
@@ -62,7 +61,7 @@
 #define SENTINEL_STAT_SOCK_NEW 2
 #define SENTINEL_STAT_CONN_NEW 3
 #define SENTINEL_STAT_RETRANS_NEW 4
-#define SENTINEL_STAT_DEV_NEW 5
+#define SENTINEL_STAT_UNUSED_5 5 /* was devs (netdev now reads netlink) */
 #define SENTINEL_STAT_NCCL_NEW 6
 #define SENTINEL_STAT_QP_NEW 7
 #define SENTINEL_STAT_SOCK_DEL 8
@@ -128,19 +127,6 @@ struct conn_counters {
     u64 sk;   /* socket address, to resolve the process when tgid is 0 */
     u32 tgid; /* 0 when the event ran in softirq context */
     u32 pad;
-};
-
-/* devs: bytes per device name as tracepoints see them (skb->len). */
-struct dev_key {
-    char name[16];
-};
-
-struct dev_counters {
-    u64 tx_bytes;
-    u64 rx_bytes;
-    u64 tx_packets;
-    u64 rx_packets;
-    u64 tx_errors; /* net_dev_xmit rc != 0: not sent */
 };
 
 /* NCCL: calls and bytes per (process, communicator, operation). */

@@ -58,10 +58,12 @@ static __always_inline struct flow_counters *orphan_slot(struct orphan_key *k)
 
 static __always_inline void count_io(u64 sk, int ret, int flags, int rx)
 {
-    if (ret <= 0 || (flags & SENTINEL_MSG_PEEK))
-        return;
+    /* The pid filter comes first: another process's send or receive costs
+     * one helper call and one hash lookup, nothing else. */
     u32 tgid = current_tgid();
     if (!tgid_allowed(tgid))
+        return;
+    if (ret <= 0 || (flags & SENTINEL_MSG_PEEK))
         return;
     struct flow_counters *c = 0;
     struct sock_info *si = socks.lookup(&sk);
@@ -242,6 +244,10 @@ static __always_inline u32 sock_owner(u64 sk, int *allowed)
 #ifdef SENTINEL_HAVE_tcp__tcp_retransmit_skb
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 {
+#ifdef SENTINEL_RETRANS_HAS_ERR
+    if (args->err != 0)
+        return 0; /* it did not leave: not a retransmit on the wire */
+#endif
     int allowed = 0;
     sock_owner((u64)args->skaddr, &allowed);
     if (!allowed)

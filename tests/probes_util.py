@@ -114,7 +114,8 @@ def proc_net_dev(dev: str, netns: str | None = None) -> tuple[int, int]:
     raise AssertionError(f"{dev} not in /proc/net/dev")
 
 
-def _tbf(dev: str, netns: str, rate: str, verb: str) -> None:
+def _tbf(dev: str, netns: str, rate: str, verb: str, limit: str | None = None) -> None:
+    queue = ["limit", limit] if limit else ["latency", "20ms"]
     _run(
         "ip",
         "netns",
@@ -131,15 +132,15 @@ def _tbf(dev: str, netns: str, rate: str, verb: str) -> None:
         rate,
         "burst",
         "32kb",
-        "latency",
-        "20ms",
+        *queue,
     )
 
 
 @contextlib.contextmanager
-def shaped(dev: str, netns: str, rate: str) -> Iterator[None]:
-    """A tbf of ``rate`` on ``dev``'s egress for the duration."""
-    _tbf(dev, netns, rate, "add")
+def shaped(dev: str, netns: str, rate: str, limit: str | None = None) -> Iterator[None]:
+    """A tbf of ``rate`` on ``dev``'s egress for the duration; a small
+    ``limit`` (queue bytes) makes it drop, so TCP retransmits (no netem here)."""
+    _tbf(dev, netns, rate, "add", limit)
     try:
         yield
     finally:
@@ -196,3 +197,35 @@ def two_namespaces(rate: str | None = None) -> Iterator[None]:
         yield
     finally:
         remove_netns()
+
+
+def nstat(counter: str, netns: str | None = None) -> int:
+    """The namespace's absolute SNMP ``counter`` (e.g. TcpRetransSegs) from
+    `nstat -as` (absolute, history file left alone)."""
+    cmd = ["nstat", "-asz", counter]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] == counter:
+            return int(parts[1])
+    raise AssertionError(f"nstat shows no {counter}: {text!r}")
+
+
+@contextlib.contextmanager
+def lossy(dev: str, netns: str, p: float) -> Iterator[None]:
+    """Drop a random fraction ``p`` of the packets arriving on ``dev``: the
+    lab's own drop classifier (cls_bpf on clsact ingress; this kernel has no
+    netem), so the far end's TCP retransmits."""
+    from fsdp_sentinel.lab import loss, netlink
+
+    bpf, fd, name = loss.load_drop_program(p)
+    ipr = netlink.open_existing(netns)
+    try:
+        netlink.attach_bpf(ipr, dev, fd, name, netlink.CLSACT_INGRESS)
+        yield
+    finally:
+        netlink.remove_clsact(ipr, dev)
+        ipr.close()
+        bpf.cleanup()

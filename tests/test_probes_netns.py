@@ -18,6 +18,8 @@ from probes_util import (
     NS_A,
     NS_B,
     Peer,
+    lossy,
+    nstat,
     proc_net_dev,
     shaped,
     ss_find,
@@ -31,7 +33,6 @@ pytestmark = [pytest.mark.kernel, pytest.mark.root, pytest.mark.lab]
 N = 23 * 1024 * 1024 + 7
 PORT = 47001
 FRAME = 1514
-GSO_MAX = 65536 + 14  # the largest (GSO) packet one skipped event can hide
 
 
 @pytest.fixture(scope="module")
@@ -92,23 +93,18 @@ def test_transfer_across_namespaces(lab: ProbeSet) -> None:
     assert pids == {snd.pid}
     missed = lab.missed_events()
     skipped = {k: missed.get(k, 0) - missed_before.get(k, 0) for k in missed}
+    # Device counters are the driver's own, read over netlink: exact, save
+    # for what moved between the last poll and the /proc read (a window
+    # update on a direction that carries only ACKs: one frame).
     for dev in (DEV_A, DEV_B):
         want_rx = after[dev][0] - before[dev][0]
         want_tx = after[dev][1] - before[dev][1]
         got_rx, got_tx = _dev(recs, dev)
-        # One frame of slack: a window update may leave between the last
-        # poll and the /proc read, on a direction that carries only ACKs.
-        # Classic tracepoints are skipped while any BPF map syscall (our own
-        # poll's included) holds the CPU; the kernel counts each skip, so a
-        # shortfall beyond 1 % must be explained by those counted skips, at
-        # most one GSO packet (64 KiB + header) each. Never an overcount.
-        why = (dev, got_tx, want_tx, got_rx, want_rx, skipped)
-        tx_skips = skipped.get("tracepoint__net__net_dev_xmit", 0)
-        rx_skips = skipped.get("tracepoint__net__netif_receive_skb", 0)
-        assert got_tx <= want_tx + FRAME, why
-        assert got_rx <= want_rx + FRAME, why
-        assert want_tx - got_tx <= 0.01 * want_tx + FRAME + tx_skips * GSO_MAX, why
-        assert want_rx - got_rx <= 0.01 * want_rx + FRAME + rx_skips * GSO_MAX, why
+        why = (dev, got_tx, want_tx, got_rx, want_rx)
+        assert want_tx - FRAME <= got_tx <= want_tx, why
+        assert want_rx - FRAME <= got_rx <= want_rx, why
+    # Reading the maps must not make the kernel skip any program run.
+    assert all(v == 0 for v in skipped.values()), skipped
 
 
 def test_srtt_matches_ss_on_shaped_link(lab: ProbeSet) -> None:
@@ -136,3 +132,106 @@ def _srtt_vs_ss(lab: ProbeSet) -> None:
         src.close()
         sink.close()
     assert abs(statistics.median(ratios) - 1.0) <= 0.2, ratios
+
+
+def _bracketed_poll(lab: ProbeSet) -> tuple[list[dict], dict, dict]:
+    """/proc/net/dev of both ends read just before and just after a poll:
+    the poll's device counters lie between the two readings."""
+    devs = ((DEV_A, NS_A), (DEV_B, NS_B))
+    lo = {dev: proc_net_dev(dev, ns) for dev, ns in devs}
+    recs = lab.poll()
+    hi = {dev: proc_net_dev(dev, ns) for dev, ns in devs}
+    return recs, lo, hi
+
+
+@pytest.fixture(scope="module")
+def lossy_run(lab: ProbeSet) -> dict:
+    """One transfer over a shaped, lossy link, with the kernel's own figures
+    read beside the probes' (several tests assert on it)."""
+    # 100 Mbit out of a, 1 % of what arrives at b dropped: a retransmits.
+    with shaped(DEV_A, NS_A, "100mbit"), lossy(DEV_B, NS_B, 0.01):
+        rcv = Peer("recv", ADDR_B, str(PORT + 2), str(2 * N), netns=NS_B)
+        snd = None
+        try:
+            rcv.expect("listening")
+            recs0, lo0, hi0 = _bracketed_poll(lab)
+            missed_before = lab.missed_events()
+            retrans_before = nstat("TcpRetransSegs", NS_A)
+            snd = Peer("send", ADDR_B, str(PORT + 2), str(2 * N), "--cubic", netns=NS_A)
+            cport = snd.expect("port")
+            client = f"{ADDR_A}:{cport}"
+            recs: list[dict] = []
+            ratios = []
+            time.sleep(0.5)  # past slow start
+            for _ in range(5):
+                time.sleep(0.25)
+                got = lab.poll()
+                ss_rtt_us = ss_find(client, NS_A).rtt_ms * 1000  # the same instant
+                recs += got
+                flow = [r for r in got if r["kind"] == "flow" and r["src"] == client]
+                if flow and "srtt_us" in flow[0]:
+                    ratios.append(flow[0]["srtt_us"] / ss_rtt_us)
+            snd.expect("sent")
+            assert rcv.expect("got") == str(2 * N)
+            deadline = time.monotonic() + 10
+            while ss_find(client, NS_A).num("bytes_acked") <= 2 * N:
+                assert time.monotonic() < deadline, "transfer never fully acked"
+                time.sleep(0.05)
+            time.sleep(0.3)  # a last retransmit's tracepoint lands before the poll
+            got, lo1, hi1 = _bracketed_poll(lab)
+            recs += got
+            retrans_after = nstat("TcpRetransSegs", NS_A)
+            skipped = {k: v - missed_before.get(k, 0) for k, v in lab.missed_events().items()}
+        finally:
+            for p in (snd, rcv):
+                if p:
+                    p.tell()
+                    p.close()
+    return {
+        "recs": recs,
+        "client": client,
+        "ratios": ratios,
+        "want_retrans": retrans_after - retrans_before,
+        "proc": (lo0, hi0, lo1, hi1),
+        "skipped": skipped,
+    }
+
+
+def _retrans(run: dict) -> int:
+    return sum(
+        r["retrans"] for r in run["recs"] if r["kind"] == "flow" and r["src"] == run["client"]
+    )
+
+
+@pytest.mark.xfail(
+    reason="open: on the lossy link most polls' flow records carried no srtt_us "
+    "(runs gave 1 and 0 samples of 5; the one seen was within 6 % of ss); not diagnosed",
+)
+def test_lossy_link_srtt_matches_ss_at_the_same_instant(lossy_run: dict) -> None:
+    ratios = lossy_run["ratios"]
+    assert len(ratios) >= 4, ratios
+    assert abs(statistics.median(ratios) - 1.0) <= 0.10, ratios
+
+
+def test_lossy_link_devices_and_no_missed_events(lossy_run: dict) -> None:
+    recs = lossy_run["recs"]
+    lo0, hi0, lo1, hi1 = lossy_run["proc"]
+    for dev in (DEV_A, DEV_B):
+        for i, field in ((0, "rx_bytes"), (1, "tx_bytes")):
+            got_b = sum(r[field] for r in recs if r["kind"] == "netdev" and r["dev"] == dev)
+            low, high = lo1[dev][i] - hi0[dev][i], hi1[dev][i] - lo0[dev][i]
+            assert low <= got_b <= high, (dev, field, low, got_b, high)
+    assert all(v == 0 for v in lossy_run["skipped"].values()), lossy_run["skipped"]
+    # Every retransmit event is one the kernel counted too.
+    assert lossy_run["want_retrans"] > 0, "the lossy link lost nothing: the oracle proves nothing"
+    assert 0 < _retrans(lossy_run) <= lossy_run["want_retrans"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tcp_retransmit_skb fires once per retransmitted skb; TcpRetransSegs adds "
+    "tcp_skb_pcount (GSO segments) per skb, which no tracepoint field carries "
+    "(seen: 12 events, 91 segments). Open: see docs/probes.md.",
+)
+def test_lossy_link_retransmits_equal_tcpretranssegs(lossy_run: dict) -> None:
+    assert _retrans(lossy_run) == lossy_run["want_retrans"]

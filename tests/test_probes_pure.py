@@ -12,6 +12,7 @@ import pytest
 from fsdp_sentinel import trace
 from fsdp_sentinel.probes import flows_cmd
 from fsdp_sentinel.probes import records as R
+from fsdp_sentinel.probes.devstats import deltas, sample_link
 from fsdp_sentinel.probes.libscan import LibraryScanner
 from fsdp_sentinel.probes.loader import (
     ProbeConfig,
@@ -110,16 +111,50 @@ def test_flow_records_are_trace_v1() -> None:
     assert recs[0]["srtt_us"] == 250 and recs[0]["pid"] == 7 and "snd_wnd" not in recs[0]
 
 
-def test_netdev_records_restore_link_headers_and_include_idle_devices() -> None:
+class _Msg(dict):
+    """A stand-in for a pyroute2 netlink message: item access and get_attr."""
+
+    def __init__(self, attrs: dict, **fields: object) -> None:
+        super().__init__(fields)
+        self.attrs = attrs
+
+    def get_attr(self, name: str) -> object:
+        return self.attrs.get(name)
+
+
+def _link(idx: int, **stats: int) -> _Msg:
+    return _Msg({"IFLA_IFNAME": f"d{idx}", "IFLA_STATS64": stats}, index=idx)
+
+
+def _qdisc(idx: int, drops: int, backlog: int, qlen: int) -> _Msg:
+    queue = {"drops": drops, "backlog": backlog, "qlen": qlen}
+    return _Msg({"TCA_STATS2": _Msg({"TCA_STATS_QUEUE": queue})}, index=idx)
+
+
+def test_device_sample_sums_qdiscs_and_deltas_restart_after_a_reset() -> None:
+    first = sample_link(_link(1, tx_bytes=1000, rx_bytes=50), [_qdisc(1, 2, 300, 2)])
+    assert first.counters["tx_bytes"] == 1000 and first.counters["drops"] == 2
+    cur = sample_link(
+        _link(1, tx_bytes=1500, rx_bytes=20, rx_dropped=4),
+        [_qdisc(1, 5, 100, 1), _qdisc(1, 1, 28, 1)],  # root + child qdisc
+    )
+    assert (cur.backlog, cur.qlen) == (128, 2)
+    d = deltas(first, cur)
+    assert d["tx_bytes"] == 500 and d["drops"] == 4 and d["rx_dropped"] == 4
+    assert d["rx_bytes"] == 20  # went down: recreated device, counted from zero
+    assert set(deltas(None, cur).values()) == {0}  # first sight sets the baseline
+
+
+def test_netdev_records_carry_every_device_and_the_qdisc_gauges() -> None:
+    idle = sample_link(_link(2), [])
+    busy = sample_link(_link(1, tx_bytes=10), [_qdisc(1, 0, 64, 1)])
     devs = {
-        "fss-x0": R.DevFigures(tx_bytes=1000, rx_bytes=986, tx_packets=1, rx_packets=1),
-        "lo": R.DevFigures(tx_bytes=114, rx_bytes=100, tx_packets=1, rx_packets=1),
+        "busy0": ({"tx_bytes": 10, "rx_bytes": 0, "drops": 0}, busy),
+        "idle0": (deltas(idle, idle), idle),
     }
-    types = {"fss-x0": None, "lo": R.ARPHRD_LOOPBACK, "idle0": R.ARPHRD_ETHER}
-    recs = {r["dev"]: r for r in R.netdev_records(devs, ["idle0"], types, 5.0, 1.0, "h")}
-    assert set(recs) == {"fss-x0", "lo", "idle0"}
-    assert (recs["fss-x0"]["tx_bytes"], recs["fss-x0"]["rx_bytes"]) == (1000, 1000)
-    assert (recs["lo"]["tx_bytes"], recs["lo"]["rx_bytes"]) == (100, 100)
+    recs = {r["dev"]: r for r in R.netdev_records(devs, 5.0, 1.0, "h")}
+    assert set(recs) == {"busy0", "idle0"}
+    assert recs["busy0"]["tx_bytes"] == 10 and recs["busy0"]["backlog"] == 64
     assert recs["idle0"]["tx_bytes"] == 0 and trace.validate(recs["idle0"]) is None
 
 
