@@ -196,8 +196,8 @@ def _verdict_families(
     # rate, so sum() over ranks is the job's loss and a user can weigh
     # evicting the node against letting the job run.
     cost = _gauge(
-        "straggler_cost_rank_hours_per_hour",
-        "Open verdict: rank-hours an hour the whole job spends waiting on this rank.",
+        "straggler_cost_idle_ranks",
+        "Open verdict: ranks the job keeps idle on average waiting for this one (= rank-hours an hour).",
         RANK_LABELS,
     )
     cost_step = _gauge(

@@ -79,7 +79,7 @@ def test_the_cost_is_exported_for_the_flagged_rank_only() -> None:
     assert flagged.cost is not None
     want = flagged.cost["rank_hours_per_hour"]
     assert got == {
-        ("fsdp_sentinel_straggler_cost_rank_hours_per_hour", str(flagged.rank)): want,
+        ("fsdp_sentinel_straggler_cost_idle_ranks", str(flagged.rank)): want,
         ("fsdp_sentinel_straggler_cost_step_seconds", str(flagged.rank)): flagged.cost[
             "seconds_per_step"
         ],

@@ -50,7 +50,9 @@ def test_down_leaves_foreign_fss_names_alone_and_removes_a_crashed_lab() -> None
     if os.geteuid() != 0:
         pytest.skip("needs root")
     foreign = "fss-foreign0"  # someone else's interface that happens to start with fss-
-    subprocess.run(["ip", "link", "add", foreign, "type", "dummy"], check=True)
+    # a veth pair: this kernel has no dummy links
+    subprocess.run(["ip", "link", "add", foreign, "type", "veth", "peer", "name", "fss-foreign1"],
+                   check=True)  # fmt: skip
     try:
         crash = (
             "import os, signal\n"

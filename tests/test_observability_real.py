@@ -95,7 +95,18 @@ def bpf_stats_before() -> str:
 @pytest.fixture
 def stack(tmp_path: Path, bpf_stats_before: str) -> Iterator[dict[str, Any]]:
     sock = str(tmp_path / "run" / "ingest.sock")
-    d = DaemonProcess(["--socket", sock, "--metrics-addr", "127.0.0.1:0", "--interval", "0.5"])
+    d = DaemonProcess(
+        [
+            "--socket",
+            sock,
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--interval",
+            "0.5",
+            "--trace-out",
+            str(tmp_path / "trace.jsonl.zst"),
+        ]
+    )  # kept for a failure
     trainer = None
     try:
         url = d.wait_log(r"serving (http://127\.0\.0\.1:\d+)/metrics", timeout=240).group(1)

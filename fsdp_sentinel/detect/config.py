@@ -112,6 +112,13 @@ class NetworkConfig(_Checked):
     """The same ratio from the newest probe poll alone that counts at once
     (strong evidence: found a few samples before the window's median moves)."""
 
+    explained_excess_us: float = 1000.0
+    """While another rank is flagged ``compute`` (late: the others wait for
+    it), a new network candidate also needs its flows' srtt this many
+    microseconds above the others': the waiting ranks' flows then carry only
+    the host's scheduling noise (seen: 230 vs 380 us on a loopback job), while
+    a second, real network straggler adds queueing of milliseconds."""
+
     net_hold_ratio: float = 1.25
     """A rank flagged ``network`` stays so while its score holds this much
     (hysteresis)."""

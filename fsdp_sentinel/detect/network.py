@@ -422,6 +422,14 @@ def network_view_memo(
     return view, (key, srtt_base, view)
 
 
+def excess_us(rank: int, net: NetView) -> float:
+    """How far the srtt of the flows touching ``rank`` is above the others' (us)."""
+    touching, others = net.touching_us.get(rank), net.others_us.get(rank)
+    if touching is None or others is None:
+        return 0.0
+    return touching - others
+
+
 def is_candidate(rank: int, net: NetView, held: bool, cfg: NetworkConfig) -> bool:
     """Does the view blame ``rank``: as a node, or as the carrier of a link? (the job's
     stretch is checked by the caller). ``held``: it is flagged ``network`` already,
