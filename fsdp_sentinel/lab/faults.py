@@ -340,6 +340,23 @@ def rank_pids(pids: list[int], proc: str = "/proc") -> list[int]:
     return out
 
 
+def signal_pids(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``; one that is already gone is skipped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def signal_ranks(lab: Lab, host: HostArg, sig: int) -> list[int]:
+    """Send ``sig`` to the rank process(es) of ``host``; their pids. A host with
+    no rank process (``RANK`` in its environment) is an error."""
+    victims = rank_pids(lab.cgroup_pids(host))
+    if not victims:
+        raise LabError(f"no rank process (RANK in its environment) in {lab.host(host).cgroup}")
+    signal_pids(victims, sig)
+    return victims
+
+
 @dataclass(eq=False)
 class KillRank:
     """SIGKILL the host's rank process(es): members of its cgroup with ``RANK`` set."""
@@ -349,14 +366,7 @@ class KillRank:
     what: ClassVar[str] = "rank_kill"
 
     def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
-        victims = rank_pids(lab.cgroup_pids(self.host))
-        if not victims:
-            raise LabError(
-                f"no rank process (RANK in its environment) in {lab.host(self.host).cgroup}"
-            )
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, self.sig)
+        victims = signal_ranks(lab, self.host, self.sig)
         return {"pids": victims, "signal": signal.Signals(self.sig).name}, None
 
     def undo(self, lab: Lab, state: Any) -> None:
@@ -381,21 +391,12 @@ class HangRank:
     what: ClassVar[str] = "rank_hang"
 
     def apply(self, lab: Lab) -> tuple[dict[str, Any], Any]:
-        victims = rank_pids(lab.cgroup_pids(self.host))
-        if not victims:
-            raise LabError(
-                f"no rank process (RANK in its environment) in {lab.host(self.host).cgroup}"
-            )
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
+        victims = signal_ranks(lab, self.host, signal.SIGSTOP)
         return {"pids": victims, "signal": "SIGSTOP"}, victims
 
     def undo(self, lab: Lab, state: Any) -> None:
         # A stopped process left so would hang its job (and its cleanup) for good.
-        for pid in state:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        signal_pids(state, signal.SIGCONT)
 
 
 @dataclass(eq=False)
