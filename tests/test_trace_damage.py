@@ -10,9 +10,27 @@ a count of what was skipped (lenient), or a writer that switches itself off.
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 from pathlib import Path
 
-from fsdp_sentinel.trace import TraceError, TraceReader, TraceWriter, _zstd_frames, read_trace
+from fsdp_sentinel.trace import TraceError, TraceReader, TraceWriter, read_trace
+
+
+def _zstd_frames(data: bytes) -> Iterator[tuple[int, int, bytes | None]]:
+    """The test's own oracle of a file's frames: ``(offset, end, text)`` each,
+    ``text`` None for one cut short; zstandard alone, not the reader's walk."""
+    import zstandard
+
+    pos = 0
+    while pos < len(data):
+        dobj = zstandard.ZstdDecompressor().decompressobj()
+        text = dobj.decompress(data[pos:])
+        if not dobj.eof:
+            yield pos, len(data), None
+            return
+        end = len(data) - len(dobj.unused_data)
+        yield pos, end, text
+        pos = end
 
 
 def step(i: int) -> dict:
@@ -142,3 +160,16 @@ def test_an_unencodable_record_is_counted_and_skipped(tmp_path: Path) -> None:
         w.write(step(0))
     assert w.unencodable == 1 and w.failed is None
     assert [r["kind"] for r in read_trace(path)] == ["header", "step"]
+
+
+def test_a_torn_line_longer_than_the_tail_read_is_cut_off_whole(tmp_path: Path) -> None:
+    # The tail is read backwards in 64 KiB pieces: a torn line of 200 KB spans several.
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path) as w:
+        w.write(step(0))
+    whole = path.read_bytes()
+    with open(path, "ab") as fh:
+        fh.write(b'{"kind":"fault","note":"' + b"x" * 200_000)
+    with TraceWriter(path) as w:
+        assert w.repaired == 200_000 + len(b'{"kind":"fault","note":"')
+    assert path.read_bytes() == whole
