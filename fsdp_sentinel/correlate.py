@@ -476,6 +476,9 @@ class Correlator:
         self.job_done = -1
         self.max_coll_step = -1  # newest step any rank reported collectives of
         self._reports: dict[int, int] = {}  # step -> ranks whose step record is filed
+        # step -> (rank, step) filings of step or coll records not yet summarised:
+        # ``pending_steps`` without a pass over every rank (quadratic at scale).
+        self._filed: dict[int, int] = {}
         self.summarised = -(10**18)  # newest step summarised
         self._colls_done = 0  # coll records no longer filed: summarised, or dropped as late
         self.late_records = 0
@@ -520,6 +523,7 @@ class Correlator:
         float(rec["start"])  # validate now, not at summary time
         if step not in rs.steps:  # a datagram delivered twice is one report
             self._reports[step] = self._reports.get(step, 0) + 1
+            self._filed[step] = self._filed.get(step, 0) + 1
         rs.steps[step] = rec
         if end > rs.last_t:
             rs.last_t = end
@@ -569,6 +573,7 @@ class Correlator:
         if end > rs.last_t:  # a number, or TypeError before anything is filed
             rs.last_t = end
         rs.colls[step] = [rec]
+        self._filed[step] = self._filed.get(step, 0) + 1
         if step > rs.max_coll_step:
             rs.max_coll_step = step
             if step > self.max_coll_step:
@@ -779,7 +784,10 @@ class Correlator:
             rs = ranks[rank]
             srec = rs.steps.pop(step, None)
             colls = rs.colls.pop(step, None)
-            if colls:
+            if srec is not None:
+                self._unfile(step)
+            if colls is not None:
+                self._unfile(step)
                 self._colls_done += len(colls)
             if srec is None and not colls:
                 continue
@@ -861,10 +869,12 @@ class Correlator:
             if rs.steps and min(rs.steps) < step:
                 for old in [s for s in rs.steps if s < step]:
                     del rs.steps[old]
+                    self._unfile(old)
                     self.late_records += 1
             if rs.colls and min(rs.colls) < step:
                 for old in [s for s in rs.colls if s < step]:
                     n = len(rs.colls.pop(old))
+                    self._unfile(old)
                     self.late_records += n
                     self._colls_done += n
         return self._summary(now, step, tuple(out))
@@ -1031,8 +1041,13 @@ class Correlator:
         return self.malformed + sum(rs.bad_fields for rs in self.ranks.values())
 
     def pending_steps(self) -> list[int]:
-        steps: set[int] = set()
-        for rs in self.ranks.values():
-            steps.update(rs.steps)
-            steps.update(rs.colls)
-        return sorted(steps)
+        """Steps some rank has step or coll records filed for, oldest first."""
+        return sorted(self._filed)
+
+    def _unfile(self, step: int) -> None:
+        """One (rank, step) filing of ``step`` is gone (summarised or dropped)."""
+        n = self._filed[step] - 1
+        if n:
+            self._filed[step] = n
+        else:
+            del self._filed[step]

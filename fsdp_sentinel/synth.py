@@ -179,6 +179,10 @@ class Scenario:
     # Background retransmits a second on every data flow (Poisson), as a clean
     # lab run shows: ~1 a second a flow.
     retrans_bg_per_s: float = 0.0
+    # Every pair of ranks connected (gloo's full mesh); False: ring
+    # neighbours only (NCCL's rings), for jobs of thousands of ranks, where a
+    # mesh is n*(n-1) conn records.
+    mesh: bool = True
 
 
 def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = None) -> float:
@@ -298,6 +302,13 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
     }
 
 
+def _conn_pairs(n: int, mesh: bool) -> list[tuple[int, int]]:
+    """The connected (local, remote) rank pairs, in the order records are made."""
+    if mesh:
+        return [(a, b) for a in range(n) for b in range(n) if a != b]
+    return [(a, b) for a in range(n) for b in sorted({(a - 1) % n, (a + 1) % n} - {a})]
+
+
 def _poisson(rnd: random.Random, lam: float) -> int:
     """A Poisson draw (Knuth; lam is small here)."""
     limit, k, p = math.exp(-lam), 0, 1.0
@@ -351,22 +362,21 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                 "addrs": [addr[r]],
             },
         )
-    for a in range(n):
-        for b in range(n):
-            if a != b:
-                put(
-                    t0 + 0.001,
-                    a,
-                    {
-                        "kind": "conn",
-                        "t": t0 + 0.001 + offs[a],
-                        "host": host[a],
-                        "pid": pid[a],
-                        "src": ep(a, b),
-                        "dst": ep(b, a),
-                        "what": "open",
-                    },
-                )
+    pairs = _conn_pairs(n, scn.mesh)
+    for a, b in pairs:
+        put(
+            t0 + 0.001,
+            a,
+            {
+                "kind": "conn",
+                "t": t0 + 0.001 + offs[a],
+                "host": host[a],
+                "pid": pid[a],
+                "src": ep(a, b),
+                "dst": ep(b, a),
+                "what": "open",
+            },
+        )
     cur = [t0 + 0.01] * n
     step_starts: list[float] = []
     steps_done = scn.steps
@@ -457,62 +467,58 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
     if stall_end is not None:
         t_end = stall_end
     if scn.close_at_end and stall_end is None and dead_t is None:
-        for a in range(n):
-            for b in range(n):
-                if a != b:
-                    tc = cur[a] + 0.05
-                    put(tc, a, {"kind": "conn", "t": tc + offs[a], "host": host[a],
-                                "pid": pid[a], "src": ep(a, b), "dst": ep(b, a),
-                                "what": "close"})  # fmt: skip
+        for a, b in pairs:
+            tc = cur[a] + 0.05
+            put(tc, a, {"kind": "conn", "t": tc + offs[a], "host": host[a],
+                        "pid": pid[a], "src": ep(a, b), "dst": ep(b, a),
+                        "what": "close"})  # fmt: skip
     t_end += scn.tail_s
     if lost is not None and dead_t is not None:
         k = lost.rank
-        for b in range(n):
-            if b != k:
+        for b in sorted({b for a, b in pairs if a == k}):
+            put(
+                dead_t,
+                k,
+                {
+                    "kind": "conn",
+                    "t": dead_t + offs[k],
+                    "host": host[k],
+                    "pid": pid[k],
+                    "src": ep(k, b),
+                    "dst": ep(b, k),
+                    "what": "close",
+                },
+            )
+            put(
+                dead_t + 3e-4,
+                b,
+                {
+                    "kind": "conn",
+                    "t": dead_t + 3e-4 + offs[b],
+                    "host": host[b],
+                    "pid": pid[b],
+                    "src": ep(b, k),
+                    "dst": ep(k, b),
+                    "what": "reset",
+                    "direction": "received",
+                },
+            )
+        td = dead_t + lost.teardown_s
+        for a, b in pairs:
+            if k not in (a, b):
                 put(
-                    dead_t,
-                    k,
+                    td,
+                    a,
                     {
                         "kind": "conn",
-                        "t": dead_t + offs[k],
-                        "host": host[k],
-                        "pid": pid[k],
-                        "src": ep(k, b),
-                        "dst": ep(b, k),
+                        "t": td + offs[a],
+                        "host": host[a],
+                        "pid": pid[a],
+                        "src": ep(a, b),
+                        "dst": ep(b, a),
                         "what": "close",
                     },
                 )
-                put(
-                    dead_t + 3e-4,
-                    b,
-                    {
-                        "kind": "conn",
-                        "t": dead_t + 3e-4 + offs[b],
-                        "host": host[b],
-                        "pid": pid[b],
-                        "src": ep(b, k),
-                        "dst": ep(k, b),
-                        "what": "reset",
-                        "direction": "received",
-                    },
-                )
-        td = dead_t + lost.teardown_s
-        for a in range(n):
-            for b in range(n):
-                if a != b and k not in (a, b):
-                    put(
-                        td,
-                        a,
-                        {
-                            "kind": "conn",
-                            "t": td + offs[a],
-                            "host": host[a],
-                            "pid": pid[a],
-                            "src": ep(a, b),
-                            "dst": ep(b, a),
-                            "what": "close",
-                        },
-                    )
 
     # Probe records: ring data flows (r -> r+1) and their ACK paths, every interval.
     t = t0 + scn.interval

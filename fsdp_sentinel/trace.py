@@ -16,6 +16,7 @@ import heapq
 import itertools
 import json
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -273,6 +274,50 @@ def header() -> Record:
     return {"kind": "header", "format": FORMAT, "version": VERSION}
 
 
+# --------------------------------------------------------------------------- checked frames
+
+#: The schema's own version: bumped whenever a rule of :data:`_RULES` or
+#: :data:`REQUIRED` tightens, so that marks made under an older schema stop
+#: vouching for their frames (a reader trusts only a mark of its own schema).
+SCHEMA = 1
+
+#: A zstd *skippable* frame (magic 0x184D2A5E) that our writer puts before
+#: each data frame whose records all passed :func:`validate` when written.
+#: Its payload: ``FSS1``, the file's 16-byte token (the header's
+#: ``checked.token``), the data frame's compressed length and the frame's own
+#: checksum field (its last 4 bytes: the low 32 bits of the content's xxh64).
+#: zstd tools skip such frames and never copy them: a trace decompressed and
+#: recompressed (edited or not) keeps the header's text but loses every mark,
+#: so it is checked in full.
+MARK_MAGIC = struct.pack("<I", 0x184D2A5E)
+_MARK = struct.Struct("<4sI4s16sI4s")  # magic, payload size, FSS1, token, length, checksum
+_MARK_TAG = b"FSS1"
+#: A marked frame holds at most this much text (the writer ends one sooner);
+#: a mark claiming more is not ours and is ignored.
+FRAME_TEXT_MAX = 1 << 20
+
+
+def _mark(token: bytes, frame: bytes) -> bytes:
+    return _MARK.pack(MARK_MAGIC, _MARK.size - 8, _MARK_TAG, token, len(frame), frame[-4:])
+
+
+def header_token(rec: Any) -> bytes | None:
+    """The token of a ``header`` record's ``checked`` mark, when it is one of
+    this schema's (``{"schema": SCHEMA, "token": 32 hex digits}``), else None."""
+    if type(rec) is not dict or rec.get("kind") != "header" or rec.get("format") != FORMAT:
+        return None
+    mark = rec.get("checked")
+    if type(mark) is not dict or mark.get("schema") != SCHEMA:
+        return None
+    token = mark.get("token")
+    if type(token) is not str or len(token) != 32:
+        return None
+    try:
+        return bytes.fromhex(token)
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One detection verdict, typed until :meth:`record` writes it as a ``verdict`` record.
@@ -402,15 +447,26 @@ def _first_damaged_frame(path: Path) -> int | None:
     """Where the first cut or corrupt frame of a ``.zst`` trace starts, or None:
     the reader's own frame walk (memory-flat), stopped at the first damage."""
 
-    def stop(frame: int, offset: int, what: str, line: int) -> None:
-        raise _Damaged(offset)
-
     try:
-        for _ in _FrameLines(path, stop):
+        for _ in _FrameLines(path, _stop_at_damage):
             pass
     except _Damaged as d:
         return d.offset
     return None
+
+
+def _file_token(path: Path) -> bytes | None:
+    """The mark token of an existing ``.zst`` trace's header (None: it has none)."""
+    try:
+        for line in _FrameLines(path, _stop_at_damage):
+            return header_token(_loads(line))
+    except (_Damaged, ValueError, OSError):
+        pass
+    return None
+
+
+def _stop_at_damage(frame: int, offset: int, what: str, line: int) -> None:
+    raise _Damaged(offset)
 
 
 def _after_last_newline(path: Path, size: int) -> int | None:
@@ -443,12 +499,24 @@ class TraceWriter:
     (or line) off (:func:`repair_tail`). The header is written once, when the
     file is new or empty.
 
+    A ``.zst`` file is *checked*: every record is held to :func:`validate`
+    as it is written, and a frame all of whose records pass is marked (a
+    skippable frame before it, see :data:`MARK_MAGIC`) so that replay can
+    trust its values once its checksum holds; a frame with a record that
+    fails goes out unmarked, and its reader checks every line (and refuses
+    that one, as it always did). A frame ends at each sync and whenever it
+    holds :data:`FRAME_TEXT_MAX` bytes of text.
+
     A record that cannot be encoded (a non-finite number) is skipped and
     counted in ``unencodable``. A failed write or sync (a full disk: ENOSPC,
     EIO) switches the writer off: ``failed`` holds the error, ``lost`` counts
     the records not written from then on, and the caller's work goes on (the
     daemon keeps detecting; a trace is a record of the run, not the run).
     """
+
+    #: Text a frame holds before it is ended even without a sync (a marked
+    #: frame is decompressed whole by the reader: this bounds its memory).
+    FRAME_TEXT = 1 << 18
 
     def __init__(
         self,
@@ -463,23 +531,33 @@ class TraceWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired = repair_tail(self.path) if self.path.is_file() else 0
         fresh = not self.path.exists() or self.path.stat().st_size == 0
-        self._raw: IO[bytes] = open(self.path, "ab")  # noqa: SIM115 - closed in close()
         self._zst = _is_zst(self.path)
+        # The file's mark: a new token for a new file; an existing file's own
+        # (from its header), or none when it has none (then nothing is marked).
+        self._token: bytes | None = None
+        if self._zst:
+            self._token = os.urandom(16) if fresh else _file_token(self.path)
+        self._raw: IO[bytes] = open(self.path, "ab")  # noqa: SIM115 - closed in close()
         self._compressor: Any = None
-        self._zwriter: Any = None
         if self._zst:
             import zstandard
 
             self._compressor = zstandard.ZstdCompressor(level=3, write_checksum=True)
-            self._zwriter = self._compressor.stream_writer(self._raw, closefd=False)
+        self._frame: list[bytes] = []  # the open frame's lines (.zst)
+        self._frame_bytes = 0
+        self._frame_clean = True  # every line of the open frame passed validate()
         self._last_sync = self._clock()
         self.records = 0
         self.unencodable = 0
+        self.unchecked = 0  # records written that failed validate() (in unmarked frames)
         self.lost = 0
         self.failed: OSError | None = None
         self.closed = False
         if fresh:
-            self.write(header())
+            head = header()
+            if self._token is not None:
+                head["checked"] = {"schema": SCHEMA, "token": self._token.hex()}
+            self.write(head)
 
     def write(self, rec: Record) -> None:
         try:
@@ -496,14 +574,40 @@ class TraceWriter:
                 return
             try:
                 if self._zst:
-                    self._zwriter.write(data)
+                    if self._token is not None and validate(rec) is not None:
+                        self._frame_clean = False
+                        self.unchecked += 1
+                    self._frame.append(data)
+                    self._frame_bytes += len(data)
+                    self.records += 1
+                    if self._frame_bytes >= self.FRAME_TEXT:
+                        self._end_frame()
                 else:
                     self._raw.write(data)
-                self.records += 1
+                    self.records += 1
                 if self._clock() - self._last_sync >= self.sync_interval:
                     self._sync_locked()
             except OSError as e:
                 self._fail(e)
+
+    def _end_frame(self) -> None:
+        """Write the open frame (marked when all its records passed validate())."""
+        if not self._frame:
+            return
+        text = b"".join(self._frame)
+        n = len(self._frame)
+        self._frame.clear()
+        self._frame_bytes = 0
+        clean, self._frame_clean = self._frame_clean, True
+        frame = self._compressor.compress(text)
+        try:
+            if clean and self._token is not None and len(text) <= FRAME_TEXT_MAX:
+                self._raw.write(_mark(self._token, frame) + frame)
+            else:
+                self._raw.write(frame)
+        except OSError:
+            self.lost += n - 1  # the frame's records are lost; _fail counts one
+            raise
 
     def _fail(self, e: OSError) -> None:
         """Switch off after a write error; what could not be written is counted."""
@@ -525,10 +629,8 @@ class TraceWriter:
 
     def _sync_locked(self) -> None:
         if self._zst:
-            import zstandard
-
             # End the frame so everything so far is decodable after a crash.
-            self._zwriter.flush(zstandard.FLUSH_FRAME)
+            self._end_frame()
         self._raw.flush()
         try:
             os.fsync(self._raw.fileno())
@@ -547,8 +649,6 @@ class TraceWriter:
             try:
                 if self.failed is None:
                     self._sync_locked()
-                if self._zst:
-                    self._zwriter.close()
             except OSError as e:
                 self._fail(e)
             finally:
@@ -596,11 +696,16 @@ class _FrameLines:
     def __iter__(self) -> Iterator[bytes]:
         # Lines come in lists, one per decompressed piece, flattened at C
         # speed: a generator step per line cost a third of the parse.
-        return itertools.chain.from_iterable(self._batches())
+        return itertools.chain.from_iterable(lines for lines, _ in self.batches())
 
-    def _batches(self) -> Iterator[list[bytes]]:
+    def batches(self) -> Iterator[tuple[list[bytes], bytes | None]]:
+        """The lines in lists, each with the token of the mark that vouches for
+        them: a whole marked frame whose length and checksum match its mark
+        and whose content decoded (zstd checked the content against the
+        checksum before any line is given); None for everything else."""
         import zstandard
 
+        dctx = zstandard.ZstdDecompressor()
         frame = 0
         with open(self.path, "rb") as fh:
             if self.owner is not None:
@@ -612,6 +717,15 @@ class _FrameLines:
                     data = fh.read(self.CHUNK)
                     if not data:
                         return
+                if data.startswith(MARK_MAGIC[:1]):
+                    marked, data = self._marked(fh, data, dctx)
+                    if marked is not None:
+                        lines, token, used, data = marked
+                        frame += 2  # the mark and its data frame
+                        start += used
+                        self.lines += len(lines)
+                        yield lines, token
+                        continue
                 frame += 1
                 dobj = zstandard.ZstdDecompressor().decompressobj()
                 tail = b""
@@ -626,7 +740,7 @@ class _FrameLines:
                             lines = (tail + text if tail else text).splitlines(keepends=True)
                             tail = lines.pop() if not lines[-1].endswith(b"\n") else b""
                             self.lines += len(lines)
-                            yield lines
+                            yield lines, None
                         if dobj.eof:
                             rest = dobj.unused_data
                             used += len(data) - len(rest)
@@ -655,8 +769,51 @@ class _FrameLines:
                     return
                 if tail:  # a frame ends where its writer flushed: after a whole record
                     self.lines += 1
-                    yield [tail]
+                    yield [tail], None
                 start += used
+
+    @staticmethod
+    def _marked(
+        fh: Any, data: bytes, dctx: Any
+    ) -> tuple[tuple[list[bytes], bytes, int, bytes] | None, bytes]:
+        """The marked frame at the start of ``data`` (more read from ``fh`` as
+        needed) as (its lines, its token, the bytes it took, mark included, and
+        the bytes after it), or None when ``data`` does not start with a mark
+        whose frame holds; second, ``data`` with what was read onto it (when
+        None, nothing of it was used: the caller reads it the ordinary way,
+        which reports any damage)."""
+        import zstandard
+
+        while len(data) < _MARK.size:
+            more = fh.read(_FrameLines.CHUNK)
+            if not more:
+                return None, data
+            data += more
+        magic, size, tag, token, length, checksum = _MARK.unpack_from(data)
+        # A frame our writer could not have made (too long) is not vouched for.
+        if magic != MARK_MAGIC or size != _MARK.size - 8 or tag != _MARK_TAG:
+            return None, data
+        end = _MARK.size + length
+        if length > FRAME_TEXT_MAX:
+            return None, data
+        while len(data) < end:
+            more = fh.read(max(_FrameLines.CHUNK, end - len(data)))
+            if not more:
+                return None, data
+            data += more
+        body = data[_MARK.size : end]
+        if not body.startswith(ZSTD_MAGIC) or body[-4:] != checksum:
+            return None, data
+        try:
+            params = zstandard.get_frame_parameters(body)
+            if not params.has_checksum or not 0 <= params.content_size <= FRAME_TEXT_MAX:
+                return None, data
+            text = dctx.decompress(body)
+        except zstandard.ZstdError:
+            return None, data
+        if len(text) != params.content_size or (text and not text.endswith(b"\n")):
+            return None, data
+        return (text.splitlines(keepends=True), token, end, data[end:]), data
 
     @staticmethod
     def _resync(fh: Any, offset: int) -> tuple[int, bytes]:
@@ -700,10 +857,20 @@ class TraceReader:
     the first 100). A last line with no newline that does not parse (a writer
     that crashed mid-line) counts as truncated in lenient mode and is an error
     in strict mode.
+
+    A ``.zst`` file written by :class:`TraceWriter` says in its header
+    (``checked``) that its marked frames hold only records that passed
+    :func:`validate` when written; the lines of such a frame, once its
+    length and checksum match its mark (a flipped byte fails the checksum
+    before any line is given), are parsed without the per-record checks.
+    Everything else (a ``.jsonl``, unmarked frames, a file whose header has
+    no valid mark, a frame that fails) is checked line by line.
+    ``trust_marks=False`` checks every line of every file.
     """
 
     path: str | os.PathLike[str]
     strict: bool = True
+    trust_marks: bool = True
     skipped: int = 0
     skipped_lines: list[int] = field(default_factory=list)
     lines: int = 0
@@ -724,44 +891,63 @@ class TraceReader:
         # Hot loop (replay is parse-bound): a C-level subset test per record.
         required = _REQUIRED_SETS
         checks = _CHECKS
+        token: bytes | None = None  # the file's mark (from its header), once read
         lineno = 0
         with _open_lines(self.path, self._damaged, self) as fh:
+            batches = fh.batches() if isinstance(fh, _FrameLines) else ((fh, None),)
             try:
-                for lineno, raw in enumerate(fh, 1):  # noqa: B007 - read in finally
-                    try:
-                        rec = loads(raw)
-                    except (ValueError, UnicodeDecodeError) as e:
-                        if not raw.strip():
+                for lines, mark in batches:
+                    if mark is not None and mark == token:
+                        # Vouched for by our writer's check (the checksum held):
+                        # parsed at C speed, the records given as they are.
+                        try:
+                            recs = list(map(loads, lines))
+                        except ValueError:
+                            recs = None  # not what our writer writes: check each line
+                        if recs is not None:
+                            lineno += len(recs)
+                            yield from recs
                             continue
-                        why = (
-                            "truncated last line"
-                            if not raw.endswith(b"\n")
-                            else f"invalid JSON ({e})"
-                        )
-                        self._bad(name, lineno, why)
-                        continue
-                    kind = rec.get(_KIND) if type(rec) is dict else None
-                    need = required.get(kind) if type(kind) is str else None
-                    if need is not None and rec.keys() >= need:
-                        if kind == "header" and rec.get("format") != FORMAT:
-                            self._bad(
-                                name, lineno, f"not an {FORMAT} header: {rec.get('format')!r}"
+                    for lineno, raw in enumerate(lines, lineno + 1):  # noqa: B007, B020
+                        try:
+                            rec = loads(raw)
+                        except (ValueError, UnicodeDecodeError) as e:
+                            if not raw.strip():
+                                continue
+                            why = (
+                                "truncated last line"
+                                if not raw.endswith(b"\n")
+                                else f"invalid JSON ({e})"
                             )
+                            self._bad(name, lineno, why)
                             continue
-                        check = checks.get(kind)  # type: ignore[arg-type]
-                        bad = check(rec) if check is not None else bad_field(rec)
-                        if bad is not None:
-                            self._bad(name, lineno, f"{kind} field {bad!r}: {_why(rec, bad)}")
+                        kind = rec.get(_KIND) if type(rec) is dict else None
+                        need = required.get(kind) if type(kind) is str else None
+                        if need is not None and rec.keys() >= need:
+                            if kind == "header":
+                                if rec.get("format") != FORMAT:
+                                    self._bad(
+                                        name,
+                                        lineno,
+                                        f"not an {FORMAT} header: {rec.get('format')!r}",
+                                    )
+                                    continue
+                                if lineno == 1 and self.trust_marks:
+                                    token = header_token(rec)
+                            check = checks.get(kind)  # type: ignore[arg-type]
+                            bad = check(rec) if check is not None else bad_field(rec)
+                            if bad is not None:
+                                self._bad(name, lineno, f"{kind} field {bad!r}: {_why(rec, bad)}")
+                                continue
+                            yield rec
                             continue
-                        yield rec
-                        continue
-                    reason = validate(rec)  # the slow path: say what is wrong
-                    if reason is None:
-                        # Unknown kind: readers ignore it, but pass it on;
-                        # consumers dispatch on kind and drop what they do not know.
-                        yield rec
-                    else:
-                        self._bad(name, lineno, reason)
+                        reason = validate(rec)  # the slow path: say what is wrong
+                        if reason is None:
+                            # Unknown kind: readers ignore it, but pass it on;
+                            # consumers dispatch on kind and drop what they do not know.
+                            yield rec
+                        else:
+                            self._bad(name, lineno, reason)
             finally:
                 self.lines = lineno
 

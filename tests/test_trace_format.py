@@ -58,15 +58,28 @@ def test_round_trip(tmp_path: Path, suffix: str) -> None:
         w.write(STEP)
         w.write_many([COLL, {**COLL, "seq": 8, "extra": [1, 2]}])
     recs = list(read_trace(path))
-    assert recs[0] == {"kind": "header", "format": "fsdp-sentinel-trace", "version": 1}
+    head = dict(recs[0])
+    # A .zst file is checked as it is written, and says so (docs/trace-format.md).
+    mark = head.pop("checked", None)
+    assert head == {"kind": "header", "format": "fsdp-sentinel-trace", "version": 1}
+    assert (mark is not None) == suffix.endswith(".zst")
+    if mark is not None:
+        assert mark["schema"] == 1 and len(bytes.fromhex(mark["token"])) == 16
     assert recs[1:] == [STEP, COLL, {**COLL, "seq": 8, "extra": [1, 2]}]
 
 
 def test_zst_file_is_zstd(tmp_path: Path) -> None:
+    import zstandard
+
     path = tmp_path / "t.jsonl.zst"
     with TraceWriter(path) as w:
         w.write(STEP)
-    assert path.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"  # zstd frame magic
+    data = path.read_bytes()
+    # A skippable frame (the writer's mark), then zstd data: any zstd reads it.
+    body = 8 + int.from_bytes(data[4:8], "little")  # after the skippable frame
+    assert data[:4] == b"\x5e\x2a\x4d\x18" and data[body : body + 4] == b"\x28\xb5\x2f\xfd"
+    text = zstandard.ZstdDecompressor().decompressobj().decompress(data[body:])
+    assert text.decode().splitlines()[1] == json.dumps(STEP, separators=(",", ":"))
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)
