@@ -94,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lenient", action="store_true", help="skip malformed lines (counted) instead of failing"
     )
     parser.add_argument("--json", action="store_true", help="print verdicts as JSON lines")
+    parser.add_argument(
+        "--check-all",
+        action="store_true",
+        help="check every record's values, even in frames our writer marked as checked"
+        " (a trace from a source you do not trust; docs/trace-format.md)",
+    )
 
 
 def _fmt(v: Record) -> str:
@@ -118,7 +124,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"fsdp-sentinel replay: error: {e}", file=sys.stderr)
         return 2
     pipe = Pipeline(config)
-    readers = [trace.TraceReader(p, strict=not args.lenient) for p in args.traces]
+    readers = [
+        trace.TraceReader(p, strict=not args.lenient, trust_marks=not args.check_all)
+        for p in args.traces
+    ]
     writer = trace.TraceWriter(args.verdicts_out) if args.verdicts_out else None
     verdicts: list[Record] = []
     try:
