@@ -8,6 +8,8 @@ while the others carried on. Heard from again, it is cleared.
 
 from __future__ import annotations
 
+import heapq
+
 from fsdp_sentinel.correlate import RankLiveness, Summary
 from fsdp_sentinel.detect.config import LostConfig
 from fsdp_sentinel.trace import Verdict
@@ -44,6 +46,9 @@ def judge_lost(
     silence = max(cfg.lost_silence_s, cfg.lost_silence_steps * (base or 0.0))
     torn: list[RankLiveness] = []
     quiet: list[RankLiveness] = []
+    # The two latest-heard ranks not lost: "the latest of the others" for any
+    # rank in O(1) (a pass over every other rank per rank was quadratic).
+    top2 = heapq.nlargest(2, ((o.last_t, o.rank) for o in live if o.rank not in lost))
     for lv in live:
         if lv.rank in lost or lv.last_t <= 0.0:
             continue
@@ -64,8 +69,8 @@ def judge_lost(
             # waiting: after a job-wide stall the first rank to finish must
             # not make every other look left behind.
             heard = max(lv.last_t, lv.pending_t)
-            others = [o.last_t for o in live if o.rank != lv.rank and o.rank not in lost]
-            if others and max(others) >= heard + silence:
+            others = [o_t for o_t, o_rank in top2 if o_rank != lv.rank][:1]
+            if others and others[0] >= heard + silence:
                 quiet.append(lv)
     ambiguous = False
     casualties: list[int] = []

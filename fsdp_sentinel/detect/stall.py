@@ -77,7 +77,8 @@ def judge_stall(
     stalled_s = t - first.issue
     if stalled_s < max(cfg.hang_after_s, cfg.hang_after_steps * (step_s or 0.0)):
         return lost, hung, out
-    waiting_ranks = sorted({p.rank for p in waiting})
+    waiting_set = {p.rank for p in waiting}  # membership per rank: a set, not the list
+    waiting_ranks = sorted(waiting_set)
     ctx = {
         "op": first.op,
         "seq": first.seq,
@@ -96,13 +97,13 @@ def judge_stall(
     named = {lv.rank for lv, _ in gone}
     for lv in summary.liveness:
         r = lv.rank
-        if r in lost or r in named or r in hung or r in waiting_ranks or lv.torn_peers:
+        if r in lost or r in named or r in hung or r in waiting_set or lv.torn_peers:
             continue  # (a hung rank keeps its connections: a torn one is going down)
         if newest.get(r, -1) < first.seq:
             hung[r] = first.seq
             ev = {**ctx, "newest_seq": newest.get(r, -1)}
             out.append(Verdict(t, first.step, r, "flagged", "hang", stalled_s, lv.host, None, ev))
-    if not gone and set(waiting_ranks) >= {r for r in by_rank if r not in lost}:
+    if not gone and waiting_set >= {r for r in by_rank if r not in lost}:
         gone = _unreachable(stall, first, by_rank, lost, ctx, cfg)
     for lv, ev in gone:
         lost[lv.rank] = lv.last_t
