@@ -233,10 +233,18 @@ def attribution_bar(stretch: float, sigma: float, cfg: DetectConfig) -> float:
 
 
 def attributed_by(
-    rel_long: tuple[float, ...], low: float, attributed: float | None, stretch: float | None
+    rel_long: tuple[float, ...],
+    relative: float | None,
+    bar: float,
+    low: float,
+    attributed: float | None,
+    stretch: float | None,
 ) -> tuple[float, float] | None:
-    """``(bar, stretch)`` for the evidence when the attribution, not the sustained bar
-    ``low``, is what found the rank (None otherwise)."""
-    if attributed is None or stretch is None or not rel_long or median(rel_long) >= low:
+    """``(bar, stretch)`` for the evidence when the attribution, neither the bar nor the
+    sustained bar ``low``, is what found the rank (None otherwise)."""
+    if attributed is None or stretch is None or not rel_long or relative is None:
+        return None
+    long_med = median(rel_long)
+    if relative >= bar or long_med >= low or long_med < attributed:
         return None
     return attributed, stretch

@@ -181,7 +181,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
                     rel_long if relative is not None and relative < bar else None,
                     bar,
                     rel_trend if aging is not None or relative is not None else (),
-                    compute.attributed_by(rel_long, low, mine, stretch),
+                    compute.attributed_by(rel_long, relative, bar, low, mine, stretch),
                 )
             else:
                 score, evidence, peer = network.evidence(rs, relative, net, stretch)
