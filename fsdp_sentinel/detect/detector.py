@@ -106,13 +106,13 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     # A stretch nothing explains (no network hypothesis, no rank lost or hung,
     # no open verdict but the rank's own) is blamed on the rank whose lateness
     # holds a real share of it, though under the bar (``compute.attribution_bar``).
-    n_flagged = sum(1 for t in tracks.values() if t.cause)
     unexplained = stretched_now and not (net.node or net.links or lost_now or hung_now)
     attributed = (
         compute.attribution_bar(stretch, noise.sigma(state.rel_noise), cfg)
         if warm and unexplained and stretch is not None
         else None
     )
+    n_flagged = sum(1 for t in tracks.values() if t.cause) if attributed is not None else 0
     rel_seen: list[float] = []
     suspect = False
     any_candidate = False
