@@ -30,12 +30,18 @@ Record = dict[str, Any]
 
 @dataclass(frozen=True)
 class SlowCompute:
-    """Rank ``rank`` computes ``factor`` times slower during steps [start, end)."""
+    """Rank ``rank`` computes ``factor`` times slower during steps [start, end).
+
+    ``in_coll``: seconds a step its CPU starvation also adds inside the
+    collectives, for every rank alike (a CFS quota stops the rank's
+    collective threads mid-transfer too: on a host without an accelerator a
+    collective is CPU work), where nobody arrives late."""
 
     rank: int
     factor: float
     start: int
     end: int
+    in_coll: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,18 @@ class JobDrift:
     final: float
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class RetransBurst:
+    """``count`` retransmits at once on the flow ``rank`` -> ``peer``, in the first
+    probe poll of step ``step`` or later (a queue that overflowed once): a burst,
+    not a lossy host or link, so no straggler."""
+
+    rank: int
+    peer: int
+    step: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -211,6 +229,11 @@ def compute_factor(faults: tuple[Any, ...], step: int, rank: int) -> float:
     return f
 
 
+def _in_coll(faults: tuple[Any, ...], step: int) -> float:
+    """Seconds a step CPU-starved ranks add inside the collectives (``SlowCompute.in_coll``)."""
+    return sum(x.in_coll for x in faults if isinstance(x, SlowCompute) and x.start <= step < x.end)
+
+
 def _net_factor(faults: tuple[Any, ...], step: int) -> float:
     f = _factor(faults, SlowNetwork, step) * _factor(faults, FabricSlow, step)
     return f * _factor(faults, SlowLink, step)
@@ -226,7 +249,7 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
     expect: list[dict[str, Any]] = []
     for x in scn.faults:
         if isinstance(x, SlowCompute):
-            eff = 1.0 + scn.compute_s * (x.factor - 1.0) / base
+            eff = 1.0 + (scn.compute_s * (x.factor - 1.0) + x.in_coll) / base
             cause = "compute"
         elif isinstance(x, SlowNetwork):
             eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
@@ -387,6 +410,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
         starts = cur[:]
         step_starts.append(min(starts))
         net = _net_factor(scn.faults, s)
+        starved = _in_coll(scn.faults, s) / scn.n_coll
         die_at = None
         if lost is not None and s == lost.step:
             die_at = rnd.randrange(1, scn.n_coll)
@@ -423,7 +447,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
             if k == scn.n_coll:
                 cur = issue
                 break
-            done = max(issue) + scn.xfer_s * net * math.exp(rnd.gauss(0.0, scn.jitter))
+            done = max(issue) + scn.xfer_s * net * math.exp(rnd.gauss(0.0, scn.jitter)) + starved
             op = "all_gather" if k < scn.n_coll // 2 else "reduce_scatter"
             for r in range(n):
                 end = done + rnd.uniform(0.0, 2e-4)
@@ -521,6 +545,7 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                 )
 
     # Probe records: ring data flows (r -> r+1) and their ACK paths, every interval.
+    bursts = [x for x in scn.faults if isinstance(x, RetransBurst)]
     t = t0 + scn.interval
     while t <= t_end + 1e-9:
         if scn.daemon_clock:
@@ -601,6 +626,11 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                             retrans += int(x.retrans_to_per_s * scn.interval)
                         if isinstance(x, SlowLink) and {r, peer} == {x.a, x.b}:
                             retrans += int(x.retrans_per_s * scn.interval)
+                    for x in bursts:
+                        if (x.rank, x.peer) == (r, peer) and s >= x.step and running:
+                            retrans += x.count
+                            bursts.remove(x)  # once
+                            break
                     if scn.retrans_bg_per_s and running and sending:
                         retrans += _poisson(rnd, scn.retrans_bg_per_s * scn.interval)
                     noise = (

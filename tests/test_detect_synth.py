@@ -7,6 +7,7 @@ never sees; verdicts are matched to it by fsdp_sentinel.truth.judge.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -304,3 +305,59 @@ def test_without_the_sustained_rule_the_mild_straggler_flaps() -> None:
     verdicts, _, _ = run(scn, DetectConfig().with_(sustained_window=0))
     clears = [v["step"] for v in verdicts if v["state"] == "cleared"]
     assert any(step <= 45 for step in clears)
+
+
+REAL: dict[str, Any] = {"srtt_sigma": 0.25, "duplex": True, "retrans_bg_per_s": 1.0}
+
+
+def starved(seed: int, *extra: object) -> S.Scenario:
+    # A CPU-starved rank (a CFS quota) on a host without an accelerator: a
+    # little late at its collectives (8 % slower compute) and pausing inside
+    # them (35 ms a step that every rank waits out): the job ~1.15x slower,
+    # while the rank's lateness is only ~5 % of the step, under the bar.
+    fault = S.SlowCompute(2, 1.08, 10, 35, in_coll=0.035)
+    return S.Scenario(seed=seed, jitter=0.08, steps=40, faults=(fault, *extra), **REAL)
+
+
+@pytest.mark.parametrize("seed", [100, 101, 102])
+def test_a_starved_rank_whose_cost_is_inside_the_collectives_is_flagged_compute(
+    seed: int,
+) -> None:
+    verdicts, truth, _ = run(starved(seed))
+    assert judge(verdicts, truth).ok, verdicts
+    flag = next(v for v in verdicts if v["state"] == "flagged")
+    assert (flag["rank"], flag["cause"]) == (2, "compute")
+    ev = flag["evidence"]
+    # Found by attribution: under the bar, a real share of the job's stretch.
+    assert ev["attributed"]["bar"] <= ev["sustained"] < ev["bar"]
+    assert ev["sustained"] >= 0.25 * ev["attributed"]["stretch"]
+
+
+def test_without_attribution_the_starved_rank_is_missed() -> None:
+    # The oracle that the attribution, not the seed, finds it.
+    verdicts, _, _ = run(starved(100), DetectConfig().with_(attributed_share=100.0))
+    assert not [v for v in verdicts if v["state"] == "flagged"]
+
+
+@pytest.mark.parametrize("seed", [102, 105])
+def test_one_burst_of_retransmits_beside_a_starved_rank_is_no_network_straggler(
+    seed: int,
+) -> None:
+    # 16 retransmits in one poll of one flow (a queue that overflowed once),
+    # while the starved rank stretches the job: they used to flag rank 3
+    # network on a clean srtt (the demo's mild-compute run).
+    verdicts, truth, _ = run(starved(seed, S.RetransBurst(3, 0, 20, 16)))
+    assert judge(verdicts, truth).ok, verdicts
+    assert not [v for v in verdicts if v["cause"] == "network"]
+
+
+def test_a_lossy_host_that_loses_all_along_is_still_flagged_network() -> None:
+    # The burst guard drops the window's largest sample: steady loss survives it.
+    scn = S.Scenario(
+        seed=100, faults=(S.SlowNetwork(1, 2.0, 10, 30, 1.1, retrans_per_s=30.0),), **REAL
+    )
+    verdicts, truth, _ = run(scn)
+    assert judge(verdicts, truth).ok, verdicts
+    flag = next(v for v in verdicts if v["state"] == "flagged")
+    assert (flag["rank"], flag["cause"], flag["evidence"]["by"]) == (1, "network", "retrans")
+    assert flag["step"] - 10 <= 3

@@ -156,7 +156,11 @@ SCENARIOS: dict[str, Scenario] = {
             "one host's CPU quota sized from its use to slow it ~1.2x",
             "slow_compute",
             _mild_compute,
-            duration=12,
+            # Long enough for a mild effect: the sustained median reads 9
+            # steps, and a quota bites in bursts (steps of 1.0x among 1.3x
+            # ones), so 12 steps left it found in the last one or missed.
+            duration=16,
+            steps=28,
             slowdown=1.2,
         ),
         Scenario(

@@ -13,6 +13,7 @@ the window stays above the lower bar, or the trend holds.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fsdp_sentinel.correlate import RankStep
@@ -67,11 +68,14 @@ def score(
     bar: float,
     low: float,
     cfg: DetectConfig,
+    attributed: float | None = None,
 ) -> Scored:
     """The rank's relative and individual scores this step, and whether it looks slow.
 
     ``lates_sorted``: every matched rank's lateness, ascending; ``low``: the
-    sustained rule's (and the hysteresis') bar.
+    sustained rule's (and the hysteresis') bar; ``attributed``: the bar of
+    :func:`attribution_bar` when the job is stretched and nothing else explains
+    it (None otherwise).
     """
     window = cfg.persistence.window
     need = (window + 1) // 2  # scores in the window before it has a median
@@ -96,14 +100,15 @@ def score(
         if rel_now is not None:
             rel_long = push(rel_long, rel_now, sw)
         if len(rel_long) >= sw:
-            sustained = median(rel_long) >= low
+            long_med = median(rel_long)
+            sustained = long_med >= low or (attributed is not None and long_med >= attributed)
     # Hysteresis: a compute flag holds while the window stays above the lower
     # bar, and clears once under it (the long median would hold a recovered
     # rank for half its window).
     if relative is None:
         slow = False
     elif tr.cause == "compute":
-        slow = relative >= (low if sw else bar)
+        slow = relative >= (low if sw else bar) or (sustained and attributed is not None)
     else:
         slow = relative >= bar or sustained
     # Slow ageing: a score that rises steadily, found before it is large. The
@@ -171,13 +176,17 @@ def evidence(
     sustained: tuple[float, ...] | None,
     bar: float,
     rel_trend: tuple[float, ...] = (),
+    attributed: tuple[float, float] | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """Score and evidence of a new ``compute`` verdict.
 
     ``also_network``: the rank's srtt ratio when its flows look slow too;
     ``sustained``: the long window, when the sustained rule found it;
     ``rel_trend``: its recent scores, whose line (``trend``: slope per 100
-    steps, level now) is given when it rises.
+    steps, level now) is given when it rises; ``attributed``: ``(bar,
+    stretch)`` when the job's stretch was attributed to it
+    (:func:`attribution_bar`), as ``attributed``: its long median cleared
+    ``bar`` while the job was ``stretch`` slower and nothing else explained it.
     """
     ev: dict[str, Any] = {
         "relative": rnd(relative),
@@ -195,6 +204,8 @@ def evidence(
         # Found by the sustained or the trend rule: say so, with what it compared.
         ev["sustained"] = rnd(median(sustained))
         ev["bar"] = rnd(bar)
+    if attributed is not None:
+        ev["attributed"] = {"bar": rnd(attributed[0]), "stretch": rnd(attributed[1])}
     if len(rel_trend) >= 3:
         slope, level, concord = trend(rel_trend)
         if slope > 0 and concord >= 0.5:
@@ -205,3 +216,35 @@ def evidence(
                 "steps": len(rel_trend),
             }
     return relative or 0.0, ev
+
+
+#: A median of ``n`` draws spreads sqrt(pi / (2 n)) of one draw's standard deviation.
+_MEDIAN_SPREAD = math.pi / 2.0
+
+
+def attribution_bar(stretch: float, sigma: float, cfg: DetectConfig) -> float:
+    """The sustained bar for a rank when the job is stretched by ``stretch`` and no other
+    rule explains it: its long-window median lateness must be a real share of the
+    stretch (``attributed_share``) and stand ``noise_k`` spreads of such a median
+    above the machine's noise (``sigma``: one step's relative score)."""
+    sw = cfg.compute.sustained_window
+    spread = sigma * math.sqrt(_MEDIAN_SPREAD / sw) if sw else sigma
+    return max(cfg.compute.attributed_share * stretch, cfg.noise.noise_k * spread)
+
+
+def attributed_by(
+    rel_long: tuple[float, ...],
+    relative: float | None,
+    bar: float,
+    low: float,
+    attributed: float | None,
+    stretch: float | None,
+) -> tuple[float, float] | None:
+    """``(bar, stretch)`` for the evidence when the attribution, neither the bar nor the
+    sustained bar ``low``, is what found the rank (None otherwise)."""
+    if attributed is None or stretch is None or not rel_long or relative is None:
+        return None
+    long_med = median(rel_long)
+    if relative >= bar or long_med >= low or long_med < attributed:
+        return None
+    return attributed, stretch

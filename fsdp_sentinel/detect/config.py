@@ -82,6 +82,14 @@ class ComputeConfig(_Checked):
     the bar (never under ``min_effect``): a 9-step median spreads about
     sqrt(pi / 18) of one step."""
 
+    attributed_share: float = 0.25
+    """When the job is stretched by at least ``min_effect``, no network
+    hypothesis holds and nobody is flagged, a rank whose sustained median
+    lateness is at least this share of the stretch (and clears the noise of
+    such a median) is the compute straggler, though under ``min_effect``
+    itself: a CPU-starved rank slows the collectives too (on a host without
+    an accelerator its collective is CPU work), where nobody is late."""
+
     trend_window: int = 20
     """Steps of relative score the trend rule fits a line to (0: off)."""
 

@@ -103,6 +103,16 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     bar = noise.bar(state.rel_noise, cfg)
     low = max(cfg.baseline.min_effect, cfg.compute.sustained_share * bar)  # sustained bar
     ref_step = job_step if job_step is not None else base
+    # A stretch nothing explains (no network hypothesis, no rank lost or hung,
+    # no open verdict but the rank's own) is blamed on the rank whose lateness
+    # holds a real share of it, though under the bar (``compute.attribution_bar``).
+    unexplained = stretched_now and not (net.node or net.links or lost_now or hung_now)
+    attributed = (
+        compute.attribution_bar(stretch, noise.sigma(state.rel_noise), cfg)
+        if warm and unexplained and stretch is not None
+        else None
+    )
+    n_flagged = sum(1 for t in tracks.values() if t.cause) if attributed is not None else 0
     rel_seen: list[float] = []
     suspect = False
     any_candidate = False
@@ -111,6 +121,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         tr = tracks.get(rs.rank)
         if tr is None:
             tr = NEW_TRACK
+        mine = attributed if n_flagged == (1 if tr.cause else 0) else None
         (
             rel_now,
             rel_hist,
@@ -121,7 +132,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             slow,
             rel_trend,
             aging,
-        ) = compute.score(rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg)
+        ) = compute.score(rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg, mine)
         if rel_now is not None:
             rel_seen.append(rel_now)
         if relative is not None and relative >= cfg.baseline.min_effect:
@@ -170,6 +181,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
                     rel_long if relative is not None and relative < bar else None,
                     bar,
                     rel_trend if aging is not None or relative is not None else (),
+                    compute.attributed_by(rel_long, relative, bar, low, mine, stretch),
                 )
             else:
                 score, evidence, peer = network.evidence(rs, relative, net, stretch)

@@ -340,32 +340,50 @@ def _retransmits(
     cfg: NetworkConfig,
 ) -> tuple[dict[int, float], int]:
     """Each rank's share of the window's retransmits, and the node or link they localise
-    (into ``node`` / ``links``) when one rank, or one pair of ranks, alone carries them."""
+    (into ``node`` / ``links``) when one rank, or one pair of ranks, alone carries them.
+
+    The case must hold without the window's largest single sample (one flow's
+    one poll) of retransmits, as a flow's srtt is judged by its median and not
+    by one sample: a lossy host or cable loses all along, while one burst (a
+    queue overflowing once) carries a window's share on its own."""
     total = sum(p.retrans for p in flows)
     if not total:
         return {}, 0
     re_touch: dict[int, int] = {}
     bytes_touch: dict[int, int] = {}
+    burst_touch: dict[int, int] = {}
     all_bytes = 0
     for p in flows:
+        burst = max((x[5] or 0 for x in p.samples), default=0) if p.retrans else 0
         for r in (p.rank, p.peer) if p.peer != p.rank else (p.rank,):
             re_touch[r] = re_touch.get(r, 0) + p.retrans
             bytes_touch[r] = bytes_touch.get(r, 0) + p.tx_bytes
+            if burst > burst_touch.get(r, 0):
+                burst_touch[r] = burst
         all_bytes += p.tx_bytes
     share = {r: re_touch.get(r, 0) / total for r in ranks if r in re_touch}
     if total < cfg.retrans_min or len(ranks) < 3 or not all_bytes:
         return share, total
 
-    def significant(k: int, byte_share: float) -> bool:
-        return binomial_tail(k, total, min(byte_share, 1.0)) <= cfg.retrans_p
+    def localised(k: int, byte_share: float, burst: int) -> bool:
+        """``k`` of the window's retransmits on flows carrying ``byte_share`` of its bytes
+        are enough, unlikely by chance, with and without the largest sample ``burst``."""
+        return all(
+            n >= cfg.retrans_min
+            and m >= cfg.retrans_share * n
+            and binomial_tail(m, n, min(byte_share, 1.0)) <= cfg.retrans_p
+            for m, n in ((k, total), (k - burst, total - burst))
+        )
 
     high = sorted(
         (r for r, x in share.items() if x >= cfg.retrans_share and r not in suppressed),
         key=lambda r: (-share[r], r),
     )
-    if not high or not significant(re_touch[high[0]], bytes_touch[high[0]] / all_bytes):
+    if not high:
         return share, total
     top = high[0]
+    if not localised(re_touch[top], bytes_touch[top] / all_bytes, burst_touch.get(top, 0)):
+        return share, total
     if len(high) == 1:
         node.setdefault(top, "retrans")
     elif len(high) == 2:
@@ -376,11 +394,17 @@ def _retransmits(
         if (
             a not in node
             and b not in node
-            and on_link >= cfg.retrans_share * total
-            and significant(on_link, link_bytes / all_bytes)
+            and localised(on_link, link_bytes / all_bytes, _largest_sample(flows, a, b))
         ):
             links.setdefault(a, (b, "retrans", on_link / total))
     return share, total
+
+
+def _largest_sample(flows: tuple[PairFlow, ...], a: int, b: int) -> int:
+    """The most retransmits one sample of a flow between ``a`` and ``b`` carries."""
+    return max(
+        (x[5] or 0 for p in flows if {p.rank, p.peer} == {a, b} for x in p.samples), default=0
+    )
 
 
 def _neighbours(between: dict[tuple[int, int], list[Flow]], r: int) -> list[int]:

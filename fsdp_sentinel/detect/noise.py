@@ -20,10 +20,15 @@ def warm(rel_noise: tuple[float, ...], cfg: DetectConfig) -> bool:
     return len(rel_noise) >= 2 * cfg.baseline.min_history
 
 
+def sigma(rel_noise: tuple[float, ...]) -> float:
+    """One quiet step's relative score's robust standard deviation (``rel_noise`` not empty)."""
+    return _MAD_TO_SIGMA * mad(rel_noise)
+
+
 def bar(rel_noise: tuple[float, ...], cfg: DetectConfig) -> float:
     out = cfg.baseline.min_effect
     if warm(rel_noise, cfg):
-        out = max(out, cfg.noise.noise_k * _MAD_TO_SIGMA * mad(rel_noise))
+        out = max(out, cfg.noise.noise_k * sigma(rel_noise))
     return out
 
 
