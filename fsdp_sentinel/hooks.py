@@ -553,6 +553,12 @@ class _Env(enum.Enum):
 FROM_ENV = _Env.FROM_ENV
 
 
+def socket_for(socket_path: str | None | _Env, env: Mapping[str, str]) -> str | None:
+    """The socket :func:`instrument` sends to: ``socket_path`` when given (None:
+    none), else the launcher's choice in ``env`` (``emit.socket_from_env``)."""
+    return socket_from_env(env) if socket_path is FROM_ENV else socket_path  # type: ignore[return-value]
+
+
 def instrument(
     model: nn.Module | Iterable[nn.Module],
     *,
@@ -584,8 +590,7 @@ def instrument(
     owns = emitter is None
     if emitter is None:
         path = trace_out.replace("{rank}", str(rank)) if trace_out else None
-        sock = socket_from_env(os.environ) if socket_path is FROM_ENV else socket_path
-        emitter = Emitter(sock if isinstance(sock, str) else None, path)
+        emitter = Emitter(socket_for(socket_path, os.environ), path)
     inst = Instrumentation(
         emitter,
         rank=rank,
