@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import subprocess
 import textwrap
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from fsdp_sentinel.emit import SOCKET_ENV
 from fsdp_sentinel.hostinfo import _ipv4_local, _ipv6_addrs, local_addrs
 from fsdp_sentinel.trace import read_trace, validate
 from fsdp_sentinel.trainer.launch import local_env, torchrun_argv
@@ -30,8 +32,10 @@ STEPS = 4
 MODEL: dict[str, Any] = dict(layers=2, dim=32, heads=2, seq_len=17, vocab=65)
 
 
-def run_torchrun(argv: list[str], timeout: float = 280) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, env=local_env(), capture_output=True, text=True, timeout=timeout)
+def run_torchrun(
+    argv: list[str], timeout: float = 280, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, env=local_env(env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -170,7 +174,7 @@ NET = textwrap.dedent(
 
 WORKER = NET + textwrap.dedent(
     """
-    inst = instrument(model, socket_path=sys.argv[1], trace_out=sys.argv[2])
+    inst = instrument(model, trace_out=sys.argv[1])  # the socket: the launcher's (env)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         with inst.step(step):
@@ -232,14 +236,16 @@ def json_objects(text: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.torch
-def test_any_fsdp2_model_to_a_live_socket(
+def test_any_fsdp2_model_to_the_socket_the_launcher_names(
     tmp_path: Path, listener: tuple[str, list[dict[str, Any]]]
 ) -> None:
     path, got = listener
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
+    # The code names no socket; the launcher does, in the environment.
+    env = {**os.environ, SOCKET_ENV: path}
     out = run_torchrun(
-        torchrun_argv(WORLD, target=[str(script)], args=[path, f"{tmp_path}/w{{rank}}.jsonl"])
+        torchrun_argv(WORLD, target=[str(script)], args=[f"{tmp_path}/w{{rank}}.jsonl"]), env=env
     )
     summaries = json_objects(out.stdout)
     assert sorted(s["rank"] for s in summaries) == [0, 1]
