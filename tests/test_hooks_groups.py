@@ -10,10 +10,13 @@ group names the world group's collectives alike on every rank. (No
 activations cross between the stages: stage 0 never waits on stage 1 except
 in the world group, which is what makes a lineup across groups visibly wrong.)
 The oracle for the lineup is the delay this test puts on one rank of stage 1.
+Last, a synthetic two-stage job through the whole pipeline, with and
+without its ``group`` fields.
 """
 
 from __future__ import annotations
 
+import heapq
 import textwrap
 from collections import defaultdict
 from typing import Any
@@ -24,6 +27,9 @@ from test_hooks_fsdp import by_rank, json_objects, run_torchrun
 from fsdp_sentinel.correlate import Correlator
 from fsdp_sentinel.emit import DEFAULT_SOCKET, SOCKET_ENV, socket_from_env
 from fsdp_sentinel.hooks import FROM_ENV, group_id, socket_for
+from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.synth import Scenario, SlowCompute, generate
+from fsdp_sentinel.trace import TIME_FIELD
 from fsdp_sentinel.trainer.launch import torchrun_argv
 
 STEPS = 4
@@ -189,3 +195,54 @@ def test_an_unset_trainer_socket_flag_reads_the_environment(
     assert parse_args(["--socket", "off"]).socket is None
     monkeypatch.delenv(SOCKET_ENV)
     assert parse_args([]).socket == DEFAULT_SOCKET
+
+
+# ----------------------------------------------------------------- a synthetic two-stage job
+
+
+def synthetic_stage(seed: int, faults: tuple[Any, ...], first: int) -> list[dict[str, Any]]:
+    """A 2-rank synthetic job (hook records only) as ranks ``first``, ``first + 1``
+    of a 4-rank one: one pipeline stage whose collectives are its group's."""
+    recs, _ = generate(
+        Scenario(ranks=2, steps=30, n_coll=6, probes=False, seed=seed, faults=faults)
+    )
+    out = []
+    for rec in recs:
+        if rec["kind"] not in ("rank", "step", "coll", "pending"):
+            continue  # (connection records: the stages' made-up endpoints would clash)
+        r = dict(rec)
+        r["rank"] += first
+        if r["kind"] == "rank":
+            r.update(world_size=4, pid=r["pid"] + first, host=f"synth-h{r['rank']}")
+        elif r["kind"] in ("coll", "pending"):
+            r["group"] = f"{first}-{first + 1}"
+        out.append(r)
+    return out
+
+
+def verdicts(recs: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
+    p = Pipeline()
+    return [(v["rank"], v["state"], v["cause"]) for r in recs for v in p.feed(r)]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_straggler_in_one_stage_is_found_only_when_groups_are_kept_apart(seed: int) -> None:
+    # Two stages with the same shape, so their seq numbers coincide; rank 1
+    # (stage 0) computes 2.5x slower from step 10 on.
+    def when(r: dict[str, Any]) -> float:
+        field = TIME_FIELD[r["kind"]]
+        return float(r[field]) if field else 0.0
+
+    job = list(
+        heapq.merge(
+            synthetic_stage(seed, (SlowCompute(1, 2.5, 10, 30),), 0),
+            synthetic_stage(seed + 100, (), 2),
+            key=when,
+        )
+    )
+    assert {r["group"] for r in job if r["kind"] == "coll"} == {"0-1", "2-3"}
+    assert verdicts(job) == [(1, "flagged", "compute")]
+    # The same trace as older hooks wrote it (no group): each collective is
+    # lined up with the other stage's of the same seq, and the straggler is missed.
+    old = [{k: v for k, v in r.items() if k != "group"} for r in job]
+    assert (1, "flagged", "compute") not in verdicts(old)
