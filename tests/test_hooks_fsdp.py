@@ -624,3 +624,41 @@ def test_a_comm_the_user_set_before_or_after_instrument_is_the_one_that_runs(
         assert Counter(c["op"] for c in colls) == {"all_gather": 12, "reduce_scatter": 8}
         assert {c["group"] for c in colls} == {"0-1"}
         assert sorted(c["seq"] for c in colls) == list(range(len(colls)))
+
+
+@pytest.mark.torch
+def test_fsdp_sees_the_timed_comm_as_the_class_it_wraps() -> None:
+    # FSDP's own tests of a comm (FSDPParamGroup.set_symm_mem,
+    # set_allocate_memory_from_process_group, _validate_reduce_scatter_max_input_buffers)
+    # are isinstance checks; these are theirs, on the timed comms. The
+    # symmetric-memory comms need NCCL to be built, so they are made without
+    # their __init__ (a barrier), which the timed comm never runs either.
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    from fsdp_sentinel.hooks import Instrumentation, _wrap_comm
+
+    inst = Instrumentation(BrokenEmitter(), rank=0, world_size=2, host="h")  # type: ignore[arg-type]
+
+    class Mine(AllGather):  # the user's own: FSDP refuses to replace it
+        def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any: ...
+        def __call__(self, *args: Any) -> Any: ...
+
+    symm_ag = fc.SymmMemAllGather.__new__(fc.SymmMemAllGather)
+    symm_rs = fc.SymmMemReduceScatter.__new__(fc.SymmMemReduceScatter)
+    may_symm_mem = (fc.DefaultAllGather, fc.SymmMemAllGather)
+    may_pg_alloc = (fc.DefaultAllGather, fc.ProcessGroupAllocAllGather)
+    for inner, symm, pg_alloc in [
+        (fc.DefaultAllGather(), True, True),
+        (symm_ag, True, False),
+        (fc.ProcessGroupAllocAllGather.__new__(fc.ProcessGroupAllocAllGather), False, True),
+        (Mine(), False, False),
+    ]:
+        timed = _wrap_comm(inst, "all_gather", inner)
+        assert timed.inner is inner and isinstance(timed, AllGather)
+        assert isinstance(timed, may_symm_mem) is isinstance(inner, may_symm_mem) is symm
+        assert isinstance(timed, may_pg_alloc) is isinstance(inner, may_pg_alloc) is pg_alloc
+    timed_rs = _wrap_comm(inst, "reduce_scatter", symm_rs)
+    assert isinstance(timed_rs, ReduceScatter) and isinstance(timed_rs, fc.SymmMemReduceScatter)
+    assert not isinstance(_wrap_comm(inst, "reduce_scatter", fc.DefaultReduceScatter()),
+                          fc.SymmMemReduceScatter)  # fmt: skip
