@@ -36,12 +36,26 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fsdp_sentinel.trace import TraceWriter
 
 DEFAULT_SOCKET = "/run/fsdp-sentinel/ingest.sock"
+
+#: Environment variable that names the daemon's socket for a job whose code
+#: does not (docs/hooks.md, "Opting a job in from the launcher").
+SOCKET_ENV = "FSDP_SENTINEL_SOCKET"
+
+
+def socket_from_env(env: Mapping[str, str]) -> str | None:
+    """The socket a launcher chose through :data:`SOCKET_ENV`: unset gives
+    :data:`DEFAULT_SOCKET`, ``off`` (or empty) gives None (no socket)."""
+    value = env.get(SOCKET_ENV)
+    if value is None:
+        return DEFAULT_SOCKET
+    return None if value.strip() in ("", "off") else value
+
 
 #: Largest datagram the emitter sends (bytes); bigger records are dropped.
 MAX_DATAGRAM = 65_000

@@ -6,26 +6,40 @@ Three lines instrument a model that ``fully_shard`` has wrapped::
     inst = instrument(model)            # after fully_shard, after init_process_group
     with inst.step(step_no): ...        # around each optimizer step
 
-:func:`instrument` installs a timed all-gather and a timed reduce-scatter on
-every ``FSDPModule`` in the model with ``FSDPModule.set_custom_all_gather`` /
-``set_custom_reduce_scatter`` (no torch internals are patched). Each wraps
-FSDP's default communication, so the collective itself is unchanged, and
-emits one trace-v1 ``coll`` record per collective: ``bytes`` the full tensor
+``model`` may also be a list of model parts (pipeline stages, several FSDP
+roots in one process): one :class:`Instrumentation` serves them all.
+
+:func:`instrument` wraps the all-gather and reduce-scatter comm that each
+FSDP parameter group of every ``FSDPModule`` already has (FSDP's default, a
+ProcessGroup-allocated or symmetric-memory one, or one the user set with
+``set_custom_all_gather``), so the collective itself, its buffers and its
+allocator are unchanged; no torch internals are patched. The timed comm is
+an instance of the FSDP comm class it wraps, so FSDP's own checks
+(``set_symm_mem_for_comm``, ``set_allocate_memory_from_process_group_for_comm``)
+accept or refuse it exactly as they would the comm underneath. A comm the user
+sets after :func:`instrument` runs as set and is wrapped again at the start of
+the next ``inst.step`` (see docs/hooks.md).
+
+Each collective gives one trace-v1 ``coll`` record: ``bytes`` the full tensor
 (all-gather output, reduce-scatter input), ``issue`` the wall time it was
-issued, ``end`` the wall time this rank observed it complete, ``seq`` its
-place in this rank's issue order (FSDP issues the same collectives in the same
-order on every rank, so ``seq`` matches across ranks). The rank announces
-itself with a ``rank`` record; ``inst.step`` emits a ``step`` record.
+issued, ``end`` the wall time this rank observed it complete, ``group`` the
+process group's name (from its global ranks, so the same on every member:
+:func:`group_id`), ``group_size``, and ``seq`` its place in this rank's issue
+order *within that group* (FSDP issues a group's collectives in the same order
+on every member, so ``(group, seq)`` names one collective across ranks, also
+when a rank belongs to several groups: HSDP, pipeline stages, experts). The
+rank announces itself with a ``rank`` record; ``inst.step`` emits a ``step``
+record.
 
 While a collective is in flight longer than ``pending_after_s`` (default
 1 s), a ``pending`` record (``t``, ``rank``, ``step``, ``seq``, ``op``,
-``issue``) says so, then again each ``pending_every_s`` while it stays in
-flight: a rank blocked in a collective that never completes (its peer hung
-or gone) is then visible long before the NCCL/gloo timeout. These records
-are made and sent by the emitter's sender thread (a tick it runs before each
-drain), never by the training thread, which only files the collective in a
-dict at issue and takes it out at completion. A process that is stopped
-(SIGSTOP) or dead sends none, which is what names it.
+``issue``, ``group``) says so, then again each ``pending_every_s`` while it
+stays in flight: a rank blocked in a collective that never completes (its
+peer hung or gone) is then visible long before the NCCL/gloo timeout. These
+records are made and sent by the emitter's sender thread (a tick it runs
+before each drain), never by the training thread, which only files the
+collective in a dict at issue and takes it out at completion. A process that
+is stopped (SIGSTOP) or dead sends none, which is what names it.
 
 Completion is observed without blocking training: a synchronous CPU (gloo)
 collective has completed when the call returns; an asynchronous one is
@@ -41,16 +55,18 @@ counted in ``Instrumentation.errors`` (the first one kept in ``first_error``).
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fsdp_sentinel.emit import DEFAULT_SOCKET, Emitter
+from fsdp_sentinel.emit import Emitter, socket_from_env
 from fsdp_sentinel.hostinfo import host_name, local_addrs
 
 if TYPE_CHECKING:
@@ -72,6 +88,7 @@ class _StepSpan:
         self.loss: float | None = None
 
     def __enter__(self) -> _StepSpan:
+        self._inst.rewrap()
         self._inst.current_step = self.step
         self.start = self._inst.clock()
         return self
@@ -111,17 +128,22 @@ class Instrumentation:
         self.colls = 0
         self.errors = 0
         self.first_error: BaseException | None = None
-        self._seq = 0
+        self._seqs: dict[str | None, int] = {}  # group -> its next seq on this rank
+        # id(process group) -> (the group, its name, its size); the group is
+        # kept so that its id cannot be reused by another object meanwhile.
+        self._groups: dict[int, tuple[Any, str | None, int]] = {}
         self._lock = threading.Lock()
         self._watchers: dict[str, _CudaWatcher] = {}
         self.modules: list[Any] = []
+        self._param_groups: list[Any] = []  # FSDP parameter groups whose comms we time
+        self.rewrapped = 0  # comms the user set after instrument(), wrapped at a step start
         self.pending_after_s = pending_after_s
         self.pending_every_s = pending_every_s
         self.pendings = 0  # pending records emitted
-        # seq -> [its coll record, when its next pending record is due]. The
-        # training thread only sets and pops keys (each one operation under
-        # the GIL); the sender thread reads a copy (see _report_pending).
-        self._inflight: dict[int, list[Any]] = {}
+        # (group, seq) -> [its coll record, when its next pending record is
+        # due]. The training thread only sets and pops keys (each one operation
+        # under the GIL); the sender thread reads a copy (see _report_pending).
+        self._inflight: dict[tuple[str | None, int], list[Any]] = {}
         add_ticker = getattr(emitter, "add_ticker", None)
         if add_ticker is not None:  # an emitter without a sender thread: no pending records
             add_ticker(self._report_pending)
@@ -154,29 +176,64 @@ class Instrumentation:
             }
         )
 
-    def attach(self, model: nn.Module) -> None:
-        """Install the timed all-gather / reduce-scatter on every FSDPModule in ``model``."""
+    def attach(self, model: nn.Module | Iterable[nn.Module]) -> None:
+        """Time the comms of every FSDPModule in ``model`` (a module, or a list
+        of model parts); parts attached before stay attached. Each parameter
+        group's current all-gather and reduce-scatter comm is wrapped, whatever
+        it is; one already timed is left as it is."""
+        from torch import nn
         from torch.distributed.fsdp import FSDPModule
 
-        mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        if not mods:
+        parts = [model] if isinstance(model, nn.Module) else list(model)
+        known = {id(m) for m in self.modules}
+        mods = []
+        for part in parts:  # parts may share modules: each is attached once
+            for m in part.modules():
+                if isinstance(m, FSDPModule) and id(m) not in known:
+                    known.add(id(m))
+                    mods.append(m)
+        if not mods and not self.modules:
             raise ValueError("instrument(): no FSDPModule in the model; call fully_shard first")
-        timed_all_gather, timed_reduce_scatter = _timed_comm_classes()
         for mod in mods:
-            mod.set_custom_all_gather(timed_all_gather(self))
-            mod.set_custom_reduce_scatter(timed_reduce_scatter(self))
-        self.modules = mods
+            groups = _param_groups(mod)
+            if groups is None:
+                warnings.warn(
+                    "fsdp_sentinel: this torch's FSDP2 keeps its comms where the hooks do not "
+                    f"look ({type(mod).__name__}); its collectives are not timed",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            self._param_groups.extend(groups)
+        self.modules.extend(mods)
+        self.rewrap(count=False)
+
+    def rewrap(self, *, count: bool = True) -> None:
+        """Wrap any comm on an attached module that is not timed (one the user
+        set since): run at the start of each ``inst.step``, so a comm set after
+        :func:`instrument` is the one that runs, and is timed from the next
+        step on. Two attribute reads per parameter group when nothing changed."""
+        try:
+            for pg in self._param_groups:
+                for attr, kind in _COMM_SLOTS:
+                    comm = getattr(pg, attr, None)
+                    if comm is not None and not isinstance(comm, _TimedComm):
+                        # What FSDPModule.set_custom_all_gather / _reduce_scatter
+                        # do, per parameter group (they refuse a module with
+                        # several groups; we wrap each group's own comm).
+                        setattr(pg, attr, _wrap_comm(self, kind, comm))
+                        self.rewrapped += count
+        except Exception as e:  # noqa: BLE001 - hooks must never break training
+            self._error(e)
 
     def detach(self) -> None:
-        """Put FSDP's default communication back on every instrumented module."""
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-            DefaultAllGather,
-            DefaultReduceScatter,
-        )
-
-        for mod in self.modules:
-            mod.set_custom_all_gather(DefaultAllGather())
-            mod.set_custom_reduce_scatter(DefaultReduceScatter())
+        """Put back, on every instrumented module, the comm each timed one wraps."""
+        for pg in self._param_groups:
+            for attr, _ in _COMM_SLOTS:
+                comm = getattr(pg, attr, None)
+                if isinstance(comm, _TimedComm) and comm.inst is self:
+                    setattr(pg, attr, comm.inner)
+        self._param_groups = []
         self.modules = []
 
     def close(self) -> None:
@@ -214,24 +271,44 @@ class Instrumentation:
         except Exception as e:  # noqa: BLE001
             self._error(e)
 
+    def _group(self, group: Any) -> tuple[str | None, int]:
+        """A process group's name (:func:`group_id`; None when it has no global
+        ranks to name it by) and size, looked up once per group."""
+        hit = self._groups.get(id(group))
+        if hit is not None and hit[0] is group:
+            return hit[1], hit[2]
+        size = group.size()
+        try:
+            import torch.distributed as dist
+
+            name: str | None = group_id(dist.get_process_group_ranks(group))
+        except Exception:  # noqa: BLE001 - not a c10d group (a stand-in in tests)
+            name = None
+        self._groups[id(group)] = (group, name, size)
+        return name, size
+
     def _issue(self, op: str, full: torch.Tensor, group: Any) -> dict[str, Any] | None:
         """The record of a collective about to be issued (None if that failed)."""
         try:
+            name, size = self._group(group)
             with self._lock:
-                seq = self._seq
-                self._seq += 1
-            rec = {
+                seq = self._seqs.get(name, 0)
+                self._seqs[name] = seq + 1
+            issue = self.clock()
+            rec: dict[str, Any] = {
                 "kind": "coll",
                 "rank": self.rank,
                 "step": self.current_step,
                 "seq": seq,
                 "op": op,
                 "bytes": full.numel() * full.element_size(),
-                "group_size": group.size(),
-                "issue": self.clock(),
+                "group_size": size,
+                "issue": issue,
                 "end": None,
             }
-            self._inflight[seq] = [rec, rec["issue"] + self.pending_after_s]
+            if name is not None:
+                rec["group"] = name
+            self._inflight[(name, seq)] = [rec, issue + self.pending_after_s]
             return rec
         except Exception as e:  # noqa: BLE001
             self._error(e)
@@ -256,7 +333,7 @@ class Instrumentation:
 
     def _complete(self, rec: dict[str, Any]) -> None:
         try:
-            self._inflight.pop(rec["seq"], None)
+            self._inflight.pop((rec.get("group"), rec["seq"]), None)
             rec["end"] = self.clock()
             self.colls += 1
             self.emitter.emit(rec)
@@ -283,7 +360,7 @@ class Instrumentation:
             self._safe_emit(functools.partial(self._pending_record, rec, now))
 
     def _pending_record(self, rec: dict[str, Any], now: float) -> dict[str, Any]:
-        return {
+        out = {
             "kind": "pending",
             "t": now,
             "rank": self.rank,
@@ -292,6 +369,9 @@ class Instrumentation:
             "op": rec["op"],
             "issue": rec["issue"],
         }
+        if "group" in rec:
+            out["group"] = rec["group"]
+        return out
 
 
 def _cuda_done_waiter(work: Any) -> Callable[[], None]:
@@ -345,55 +425,107 @@ class _CudaWatcher:
         self._t.join(timeout=5.0)
 
 
+# Where an FSDP parameter group keeps each comm (torch 2.13: FSDPParamGroup).
+_COMM_SLOTS = (("_all_gather_comm", "all_gather"), ("_reduce_scatter_comm", "reduce_scatter"))
+
+
+def _param_groups(mod: Any) -> list[Any] | None:
+    """The FSDP parameter groups of ``mod`` (None if this torch keeps them elsewhere)."""
+    groups = getattr(mod._get_fsdp_state(), "_fsdp_param_groups", None)
+    if groups is None or not all(hasattr(pg, attr) for pg in groups for attr, _ in _COMM_SLOTS):
+        return None
+    return list(groups)
+
+
+class _TimedComm:
+    """What both timed comms share: the hooks' state and the comm they wrap,
+    whose allocator (default, ProcessGroup, symmetric memory) is used as is."""
+
+    def __init__(self, inst: Instrumentation, inner: Any) -> None:
+        # FSDP's own comm classes are bases of the timed ones only for
+        # isinstance; their __init__ (a barrier, for symmetric memory) is not run.
+        self.inst = inst
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else the wrapped comm has (a ProcessGroup comm's group) reads through.
+        if name in ("inst", "inner"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class _TimedAllGather(_TimedComm):
+    def __call__(
+        self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False
+    ) -> Any:
+        rec = self.inst._issue("all_gather", output_tensor, group)
+        work = self.inner(output_tensor, input_tensor, group, async_op)
+        self.inst._issued(rec, work, output_tensor)
+        return work
+
+
+class _TimedReduceScatter(_TimedComm):
+    def __call__(
+        self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        rec = self.inst._issue("reduce_scatter", input_tensor, group)
+        work = self.inner(output_tensor, input_tensor, group, op, async_op)
+        self.inst._issued(rec, work, input_tensor)
+        return work
+
+
 @functools.cache
-def _timed_comm_classes() -> tuple[type, type]:
-    """Timed all-gather / reduce-scatter classes wrapping FSDP's defaults (built once)."""
+def _timed_class(kind: str, inner_type: type) -> type:
+    """The timed comm class for a comm of ``inner_type`` (built once per type).
+
+    Its FSDP base is the most derived of FSDP's own comm classes that
+    ``inner_type`` is (``DefaultAllGather``, ``ProcessGroupAllocAllGather``,
+    ``SymmMemAllGather``, ...; the abstract ``AllGather`` for a comm of the
+    user's own): FSDP decides with ``isinstance`` whether
+    ``set_symm_mem_for_comm`` and ``set_allocate_memory_from_process_group_for_comm``
+    may replace a comm, and whether a reduce-scatter uses symmetric memory, so
+    the timed comm answers as the one it wraps would.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
+
+    mixin, abstract = (
+        (_TimedAllGather, AllGather)
+        if kind == "all_gather"
+        else (_TimedReduceScatter, ReduceScatter)
     )
+    base = next(
+        (
+            c
+            for c in inner_type.__mro__
+            if c.__module__ == _fsdp_collectives.__name__ and issubclass(c, abstract)
+        ),
+        abstract,
+    )
+    return type(f"Timed{base.__name__}", (mixin, base), {"__module__": __name__})
 
-    class TimedComm:
-        """What both timed comms share: the hooks' state and FSDP's default allocator."""
 
-        def __init__(self, inst: Instrumentation, inner: Any) -> None:
-            self.inst = inst
-            self.inner = inner
+def _wrap_comm(inst: Instrumentation, kind: str, comm: Any) -> Any:
+    """``comm`` timed for ``inst`` (``kind``: ``all_gather`` or ``reduce_scatter``)."""
+    cls: Any = type(comm)  # a class is hashable, as the cache needs
+    return _timed_class(kind, cls)(inst, comm)
 
-        def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
-            return self.inner.allocate(size, dtype=dtype, device=device)
 
-    class TimedAllGather(TimedComm, AllGather):
-        def __init__(self, inst: Instrumentation) -> None:
-            super().__init__(inst, DefaultAllGather())
-
-        def __call__(
-            self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False
-        ) -> Any:
-            rec = self.inst._issue("all_gather", output_tensor, group)
-            work = self.inner(output_tensor, input_tensor, group, async_op)
-            self.inst._issued(rec, work, output_tensor)
-            return work
-
-    class TimedReduceScatter(TimedComm, ReduceScatter):
-        def __init__(self, inst: Instrumentation) -> None:
-            super().__init__(inst, DefaultReduceScatter())
-
-        def __call__(
-            self,
-            output_tensor: Any,
-            input_tensor: Any,
-            group: Any,
-            op: Any,
-            async_op: bool = False,
-        ) -> Any:
-            rec = self.inst._issue("reduce_scatter", input_tensor, group)
-            work = self.inner(output_tensor, input_tensor, group, op, async_op)
-            self.inst._issued(rec, work, input_tensor)
-            return work
-
-    return TimedAllGather, TimedReduceScatter
+def group_id(ranks: Sequence[int]) -> str:
+    """A process group's name from its global ranks, the same on every member
+    and short at any size: ``"0-3"`` (ranks 0..3), ``"1-7:2"`` (1, 3, 5, 7),
+    ``"5"`` (one rank); any other set is ``"h"`` and 12 hex digits of a hash of
+    the ranks in group order (docs/trace-format.md, ``coll.group``)."""
+    rs = [int(r) for r in ranks]
+    if len(rs) == 1:
+        return str(rs[0])
+    step = rs[1] - rs[0] if len(rs) > 1 else 0
+    if step > 0 and all(b - a == step for a, b in zip(rs, rs[1:], strict=False)):
+        return f"{rs[0]}-{rs[-1]}" + (f":{step}" if step != 1 else "")
+    return "h" + hashlib.sha256(",".join(map(str, rs)).encode()).hexdigest()[:12]
 
 
 def job_id(env: Mapping[str, str]) -> str:
@@ -411,11 +543,27 @@ def job_id(env: Mapping[str, str]) -> str:
     return ""
 
 
+class _Env(enum.Enum):
+    """``instrument(socket_path=FROM_ENV)``: the socket comes from the environment."""
+
+    FROM_ENV = "from the environment"
+
+
+#: ``socket_path``'s default: :data:`fsdp_sentinel.emit.SOCKET_ENV`, else the default socket.
+FROM_ENV = _Env.FROM_ENV
+
+
+def socket_for(socket_path: str | None | _Env, env: Mapping[str, str]) -> str | None:
+    """The socket :func:`instrument` sends to: ``socket_path`` when given (None:
+    none), else the launcher's choice in ``env`` (``emit.socket_from_env``)."""
+    return socket_from_env(env) if socket_path is FROM_ENV else socket_path  # type: ignore[return-value]
+
+
 def instrument(
-    model: nn.Module,
+    model: nn.Module | Iterable[nn.Module],
     *,
     emitter: Emitter | None = None,
-    socket_path: str | None = DEFAULT_SOCKET,
+    socket_path: str | None | _Env = FROM_ENV,
     trace_out: str | None = None,
     rank: int | None = None,
     clock: Clock = time.time,
@@ -423,12 +571,15 @@ def instrument(
 ) -> Instrumentation:
     """Time every all-gather and reduce-scatter FSDP2 issues for ``model``.
 
-    Call after ``fully_shard`` (the model, or any module in it, must be an
-    ``FSDPModule``) and after the process group is up. Without ``emitter`` one
-    is made from ``socket_path`` and ``trace_out`` (``{rank}`` replaced) and is
-    closed by ``Instrumentation.close()``. Emits the ``rank`` record at once.
-    A collective in flight longer than ``pending_after_s`` gets ``pending``
-    records (see the module docstring).
+    ``model`` is a module or a list of model parts (pipeline stages: each may
+    be its own FSDP root). Call after ``fully_shard`` (some module in it must be
+    an ``FSDPModule``) and after the process group is up. Without ``emitter``
+    one is made from ``socket_path`` and ``trace_out`` (``{rank}`` replaced)
+    and is closed by ``Instrumentation.close()``. ``socket_path``: a path, or
+    None for no socket; left out, ``$FSDP_SENTINEL_SOCKET`` (``off``: none),
+    else ``/run/fsdp-sentinel/ingest.sock``: an argument given wins over the
+    variable. Emits the ``rank`` record at once. A collective in flight longer
+    than ``pending_after_s`` gets ``pending`` records (see the module docstring).
     """
     import torch.distributed as dist
 
@@ -439,7 +590,7 @@ def instrument(
     owns = emitter is None
     if emitter is None:
         path = trace_out.replace("{rank}", str(rank)) if trace_out else None
-        emitter = Emitter(socket_path, path)
+        emitter = Emitter(socket_for(socket_path, os.environ), path)
     inst = Instrumentation(
         emitter,
         rank=rank,

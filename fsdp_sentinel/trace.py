@@ -147,7 +147,8 @@ _RULES: dict[str, str] = {
     **dict.fromkeys(_TIME_FIELDS, f"{_NUMBER} and 0 <= v <= {MAX_TIME!r}"),
     "dt": f"{_NUMBER} and 0 <= v <= 1e6",
     **dict.fromkeys(_INT_FIELDS, f"type(v) is int and 0 <= v <= {MAX_INT}"),
-    "world_size": f"type(v) is int and 1 <= v <= {MAX_INT}",
+    **dict.fromkeys(("world_size", "group_size"), f"type(v) is int and 1 <= v <= {MAX_INT}"),
+    "group": f"type(v) is str and len(v) <= {MAX_STR}",
     **dict.fromkeys(_COUNT_FIELDS, f"type(v) is int and 0 <= v <= {MAX_COUNT}"),
     **dict.fromkeys(("score", "srtt_us", "cwnd"), f"{_NUMBER} and -1e15 < v < 1e15"),
     **dict.fromkeys(_STR_FIELDS, f"type(v) is str and len(v) <= {MAX_STR}"),
@@ -179,6 +180,8 @@ def _compile(fields: Iterable[str]) -> Callable[[Record], str | None]:
 #: Optional fields that known kinds carry (docs/trace-format.md), checked too.
 OPTIONAL: dict[str, tuple[str, ...]] = {
     "rank": ("job",),
+    "coll": ("group", "group_size"),
+    "pending": ("group",),
     "flow": ("srtt_us", "retrans", "cwnd", "rank", "peer_rank"),
     "netdev": ("drops", "backlog"),
     "verdict": ("host", "peer_rank", "job"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import subprocess
 import textwrap
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from fsdp_sentinel.emit import SOCKET_ENV
 from fsdp_sentinel.hostinfo import _ipv4_local, _ipv6_addrs, local_addrs
 from fsdp_sentinel.trace import read_trace, validate
 from fsdp_sentinel.trainer.launch import local_env, torchrun_argv
@@ -30,8 +32,10 @@ STEPS = 4
 MODEL: dict[str, Any] = dict(layers=2, dim=32, heads=2, seq_len=17, vocab=65)
 
 
-def run_torchrun(argv: list[str], timeout: float = 280) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, env=local_env(), capture_output=True, text=True, timeout=timeout)
+def run_torchrun(
+    argv: list[str], timeout: float = 280, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, env=local_env(env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -143,7 +147,8 @@ def test_bytes_match_the_model_and_reshard_policy(
 
 # ----------------------------------------------------------------- any FSDP2 model, live socket
 
-WORKER = textwrap.dedent(
+# A process group and a small FSDP2 model whose root owns parameters too (inp, out).
+NET = textwrap.dedent(
     """
     import json, sys
     import torch, torch.distributed as dist
@@ -164,7 +169,12 @@ WORKER = textwrap.dedent(
     model = Net()
     fully_shard(model.body)
     fully_shard(model)
-    inst = instrument(model, socket_path=sys.argv[1], trace_out=sys.argv[2])
+    """
+)
+
+WORKER = NET + textwrap.dedent(
+    """
+    inst = instrument(model, trace_out=sys.argv[1])  # the socket: the launcher's (env)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         with inst.step(step):
@@ -226,14 +236,16 @@ def json_objects(text: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.torch
-def test_any_fsdp2_model_to_a_live_socket(
+def test_any_fsdp2_model_to_the_socket_the_launcher_names(
     tmp_path: Path, listener: tuple[str, list[dict[str, Any]]]
 ) -> None:
     path, got = listener
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
+    # The code names no socket; the launcher does, in the environment.
+    env = {**os.environ, SOCKET_ENV: path}
     out = run_torchrun(
-        torchrun_argv(WORLD, target=[str(script)], args=[path, f"{tmp_path}/w{{rank}}.jsonl"])
+        torchrun_argv(WORLD, target=[str(script)], args=[f"{tmp_path}/w{{rank}}.jsonl"]), env=env
     )
     summaries = json_objects(out.stdout)
     assert sorted(s["rank"] for s in summaries) == [0, 1]
@@ -361,10 +373,9 @@ def test_a_failing_step_body_still_raises_and_emits_nothing() -> None:
 
 @pytest.mark.torch
 def test_collective_runs_exactly_once_when_the_hook_fails() -> None:
-    from fsdp_sentinel.hooks import Instrumentation, _timed_comm_classes
+    from fsdp_sentinel.hooks import Instrumentation, _wrap_comm
 
     inst = Instrumentation(BrokenEmitter(), rank=0, world_size=2, host="h")  # type: ignore[arg-type]
-    timed_ag, timed_rs = _timed_comm_classes()
     calls: list[tuple[Any, ...]] = []
 
     def inner(*args: Any) -> str:
@@ -372,9 +383,8 @@ def test_collective_runs_exactly_once_when_the_hook_fails() -> None:
         return "work"
 
     bad = BadTensor()
-    for comm in (timed_ag(inst), timed_rs(inst)):
-        comm.inner = inner
-        extra = () if comm.__class__.__name__ == "TimedAllGather" else ("sum",)
+    for kind, extra in (("all_gather", ()), ("reduce_scatter", ("sum",))):
+        comm = _wrap_comm(inst, kind, inner)
         assert comm(bad, bad, "group", *extra, True) == "work"
     assert len(calls) == 2
     assert inst.errors == 2
@@ -500,3 +510,155 @@ def test_a_rank_waiting_for_a_stalled_peer_reports_pending_and_the_stalled_one_d
     assert 0.9 <= pend[1]["t"] - pend[0]["t"] <= 1.2
     # The waiting rank's collectives went on in seq order with the stalled one's.
     assert sorted(colls) == sorted(r["seq"] for r in traces[1] if r["kind"] == "coll")
+
+
+# ----------------------------------------------------------------- the user's own comms
+
+COMMS_WORKER = NET + textwrap.dedent(
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather, DefaultReduceScatter,
+    )
+
+    class CountingAllGather(DefaultAllGather):  # a user's comm: notes every call it runs
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, out, inp, group, async_op=False):
+            self.calls.append(out.numel() * out.element_size())
+            return super().__call__(out, inp, group, async_op)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, out, inp, group, op, async_op=False):
+            self.calls.append(inp.numel() * inp.element_size())
+            return super().__call__(out, inp, group, op, async_op)
+
+    def comms(m):
+        pg = m._get_fsdp_state()._fsdp_param_groups[0]
+        ag, rs = pg._all_gather_comm, pg._reduce_scatter_comm
+        return [type(c).__name__ for c in (ag, getattr(ag, "inner", ag), rs, getattr(rs, "inner", rs))]
+
+    ag, rs = CountingAllGather(), CountingReduceScatter()
+    model.body.set_custom_all_gather(ag)  # set before instrument()
+    model.set_allocate_memory_from_process_group_for_comm(True)  # the same, FSDP's own kind
+    inst = instrument(model, socket_path=None, trace_out=sys.argv[1])
+    before = {"body": comms(model.body), "root": comms(model)}
+    refused = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        if step == 2:  # set after instrument(): FSDP must accept them, and they must run
+            model.body.set_custom_reduce_scatter(rs)
+            try:
+                model.set_allocate_memory_from_process_group_for_comm(False)
+            except AssertionError as e:
+                refused.append(str(e))
+        with inst.step(step):
+            model(torch.randn(4, 10)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    after = {"body": comms(model.body), "root": comms(model)}
+    inst.detach()
+    detached = {"body": comms(model.body), "root": comms(model)}
+    inst.close()
+    print(json.dumps({"rank": inst.rank, "ag": ag.calls, "rs": rs.calls, "before": before,
+                      "after": after, "detached": detached, "refused": refused,
+                      "rewrapped": inst.rewrapped, "errors": inst.errors}), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.torch
+def test_a_comm_the_user_set_before_or_after_instrument_is_the_one_that_runs(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "comms.py"
+    script.write_text(COMMS_WORKER)
+    out = run_torchrun(
+        torchrun_argv(WORLD, target=[str(script)], args=[f"{tmp_path}/c{{rank}}.jsonl"])
+    )
+    summaries = {s["rank"]: s for s in json_objects(out.stdout) if "ag" in s}
+    assert sorted(summaries) == [0, 1]
+    traces = by_rank(sorted(tmp_path.glob("c*.jsonl")))
+    for rank, s in summaries.items():
+        assert s["errors"] == 0 and s["refused"] == []
+        # Wrapped, not replaced: the user's comm (and FSDP's ProcessGroup one)
+        # sits inside the timed one, which FSDP sees as the class it wraps.
+        assert s["before"] == {
+            "body": ["TimedDefaultAllGather", "CountingAllGather",
+                     "TimedDefaultReduceScatter", "DefaultReduceScatter"],
+            "root": ["TimedProcessGroupAllocAllGather", "ProcessGroupAllocAllGather",
+                     "TimedProcessGroupAllocReduceScatter", "ProcessGroupAllocReduceScatter"],
+        }  # fmt: skip
+        # Set after instrument(): accepted by FSDP, then wrapped at the next step.
+        assert s["after"] == {
+            "body": ["TimedDefaultAllGather", "CountingAllGather",
+                     "TimedDefaultReduceScatter", "CountingReduceScatter"],
+            "root": ["TimedDefaultAllGather", "DefaultAllGather",
+                     "TimedDefaultReduceScatter", "DefaultReduceScatter"],
+        }  # fmt: skip
+        assert s["rewrapped"] == 3
+        # detach() hands back what it wrapped, the user's comms included.
+        assert s["detached"] == {
+            "body": ["CountingAllGather", "CountingAllGather",
+                     "CountingReduceScatter", "CountingReduceScatter"],
+            "root": ["DefaultAllGather", "DefaultAllGather",
+                     "DefaultReduceScatter", "DefaultReduceScatter"],
+        }  # fmt: skip
+        colls = [r for r in traces[rank] if r["kind"] == "coll"]
+        # The body is all-gathered twice a step (forward, backward), every time by
+        # the user's comm, and each of those calls has its timed record.
+        (body_bytes,) = set(s["ag"])
+        assert len(s["ag"]) == 2 * 4
+        body_ag = [c for c in colls if c["op"] == "all_gather" and c["bytes"] == body_bytes]
+        assert len(body_ag) == len(s["ag"])
+        # The reduce-scatter set at step 2 ran in steps 2 and 3, and was timed.
+        (rs_bytes,) = set(s["rs"])
+        assert len(s["rs"]) == 2
+        body_rs = [c for c in colls if c["op"] == "reduce_scatter" and c["bytes"] == rs_bytes]
+        assert sorted(c["step"] for c in body_rs) == [0, 1, 2, 3]
+        # Every collective still timed: the root's too, before and after its comm changed.
+        assert Counter(c["op"] for c in colls) == {"all_gather": 12, "reduce_scatter": 8}
+        assert {c["group"] for c in colls} == {"0-1"}
+        assert sorted(c["seq"] for c in colls) == list(range(len(colls)))
+
+
+@pytest.mark.torch
+def test_fsdp_sees_the_timed_comm_as_the_class_it_wraps() -> None:
+    # FSDP's own tests of a comm (FSDPParamGroup.set_symm_mem,
+    # set_allocate_memory_from_process_group, _validate_reduce_scatter_max_input_buffers)
+    # are isinstance checks; these are theirs, on the timed comms. The
+    # symmetric-memory comms need NCCL to be built, so they are made without
+    # their __init__ (a barrier), which the timed comm never runs either.
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    from fsdp_sentinel.hooks import Instrumentation, _wrap_comm
+
+    inst = Instrumentation(BrokenEmitter(), rank=0, world_size=2, host="h")  # type: ignore[arg-type]
+
+    class Mine(AllGather):  # the user's own: FSDP refuses to replace it
+        def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any: ...
+        def __call__(self, *args: Any) -> Any: ...
+
+    symm_ag = fc.SymmMemAllGather.__new__(fc.SymmMemAllGather)
+    symm_rs = fc.SymmMemReduceScatter.__new__(fc.SymmMemReduceScatter)
+    may_symm_mem = (fc.DefaultAllGather, fc.SymmMemAllGather)
+    may_pg_alloc = (fc.DefaultAllGather, fc.ProcessGroupAllocAllGather)
+    for inner, symm, pg_alloc in [
+        (fc.DefaultAllGather(), True, True),
+        (symm_ag, True, False),
+        (fc.ProcessGroupAllocAllGather.__new__(fc.ProcessGroupAllocAllGather), False, True),
+        (Mine(), False, False),
+    ]:
+        timed = _wrap_comm(inst, "all_gather", inner)
+        assert timed.inner is inner and isinstance(timed, AllGather)
+        assert isinstance(timed, may_symm_mem) is isinstance(inner, may_symm_mem) is symm
+        assert isinstance(timed, may_pg_alloc) is isinstance(inner, may_pg_alloc) is pg_alloc
+    timed_rs = _wrap_comm(inst, "reduce_scatter", symm_rs)
+    assert isinstance(timed_rs, ReduceScatter) and isinstance(timed_rs, fc.SymmMemReduceScatter)
+    assert not isinstance(_wrap_comm(inst, "reduce_scatter", fc.DefaultReduceScatter()),
+                          fc.SymmMemReduceScatter)  # fmt: skip

@@ -117,6 +117,7 @@ def test_hsdp_on_a_2x2_mesh_with_a_text_file(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     views = []
+    keys: list[set[tuple[str, int]]] = []
     for rank in range(4):
         recs = records(tmp_path / f"rank{rank}.jsonl")
         assert recs[0]["world_size"] == 4
@@ -125,8 +126,13 @@ def test_hsdp_on_a_2x2_mesh_with_a_text_file(tmp_path: Path) -> None:
         # groups is not an FSDP all-gather/reduce-scatter and is not timed.
         assert {c["group_size"] for c in colls} == {2}
         assert {c["op"] for c in colls} == {"all_gather", "reduce_scatter"}
+        # The 2x2 mesh's shard groups are its rows: ranks 0,1 and 2,3.
+        assert {c["group"] for c in colls} == {"0-1" if rank < 2 else "2-3"}
         views.append([(c["seq"], c["op"], c["bytes"]) for c in colls])
+        keys.append({(c["group"], c["seq"]) for c in colls})
     assert all(v == views[0] for v in views)
+    # The same seq in the two shard groups is two collectives: (group, seq) tells them apart.
+    assert keys[0] == keys[1] and keys[2] == keys[3] and not keys[0] & keys[2]
 
 
 @pytest.mark.torch

@@ -7,10 +7,11 @@ torch loads.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fsdp_sentinel.emit import DEFAULT_SOCKET
+from fsdp_sentinel.emit import DEFAULT_SOCKET, SOCKET_ENV, socket_from_env
 
 EPILOG = """\
 examples:
@@ -147,9 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("observability")
     o.add_argument(
         "--socket",
-        default=DEFAULT_SOCKET,
         metavar="PATH",
-        help=f"daemon ingest socket (default {DEFAULT_SOCKET}; 'off' for none)",
+        help=f"daemon ingest socket ('off' for none; default ${SOCKET_ENV}, else {DEFAULT_SOCKET})",
     )
     o.add_argument(
         "--trace-out", metavar="PATH", help="also write this rank's records here ({rank} replaced)"
@@ -222,7 +222,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         param_dtype=a.param_dtype,
         ternary=a.ternary,
         ternary_gather=a.ternary_gather,
-        socket=None if a.socket in ("", "off") else a.socket,
+        socket=socket_from_env(os.environ if a.socket is None else {SOCKET_ENV: a.socket}),
         trace_out=a.trace_out,
         hooks=not a.no_hooks,
         threads=a.threads,
