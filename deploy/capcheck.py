@@ -178,12 +178,14 @@ def sysconfig_paths() -> list[str]:
     return [sysconfig.get_paths()["purelib"], str(Path(__file__).resolve().parent.parent)]
 
 
-def run_daemon(ns: Namespace, caps: tuple[str, ...], work: Path, user: str | None) -> dict:
+def run_daemon(
+    ns: Namespace, caps: tuple[str, ...], work: Path, user: str | None, remediate: str
+) -> dict:
     """The real daemon under ``caps``: did it start, count the rank's bytes, exit 0?"""
     sock, trace = work / "ingest.sock", work / "trace.jsonl"
     cmd = [*ns.enter(), *python(caps, user), "-m", "fsdp_sentinel", "run",
            "--socket", str(sock), "--trace-out", str(trace), "--metrics-addr", "127.0.0.1:0",
-           "--interval", "0.5", "--remediate", "apply", "--remediate-dev", DEV,
+           "--interval", "0.5", "--remediate", remediate, "--remediate-dev", DEV,
            "--remediate-rate-mbit", "1000"]  # fmt: skip
     errlog = work / "daemon.log"
     with errlog.open("w") as err:
@@ -292,7 +294,7 @@ def run_scan(caps: tuple[str, ...], user: str | None) -> dict:
     return {"scan": reached(got.stdout), "scan_root": reached(full.stdout)}
 
 
-def check(caps: tuple[str, ...], user: str | None = None) -> dict:
+def check(caps: tuple[str, ...], user: str | None = None, remediate: str = "apply") -> dict:
     with Namespace() as ns, tempfile.TemporaryDirectory(prefix="fss-capcheck-") as tmp:
         work = Path(tmp)
         os.chmod(work, 0o755)
@@ -300,7 +302,7 @@ def check(caps: tuple[str, ...], user: str | None = None) -> dict:
             (work / sub).mkdir()
             give(work / sub, user)
         result = {"caps": list(caps), "user": user or "root",
-                  **run_daemon(ns, caps, work / "d", user)}  # fmt: skip
+                  **run_daemon(ns, caps, work / "d", user, remediate)}  # fmt: skip
         rem = run_remediator(ns, caps, work / "r", user)
         result.update(tc=rem["tc"], rollback=rem["rollback"], tc_why=rem["why"])
         result.update(run_scan(caps, user))
@@ -337,6 +339,8 @@ def main() -> int:
         help="run as this user with the capabilities ambient "
         "(systemd's User= with AmbientCapabilities=); default uid 0",
     )
+    p.add_argument("--remediate", default="apply", choices=("off", "dry-run", "apply"),
+                   help="the daemon's --remediate (default apply)")  # fmt: skip
     p.add_argument("--extra", default="", help="capabilities added to every set (--table)")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -347,7 +351,7 @@ def main() -> int:
         else [tuple(c for c in args.caps.split(",") if c)]  # fmt: skip
     rows = []
     for caps in sets:
-        r = check(caps + extra, args.user)
+        r = check(caps + extra, args.user, args.remediate)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if args.table:
