@@ -39,6 +39,7 @@ def capcheck(*args: str) -> tuple[int, list[dict]]:
     return res.returncode, rows
 
 
+@pytest.mark.lab  # capcheck builds an fss- network namespace (and removes it)
 def test_the_daemon_works_with_exactly_the_three_capabilities() -> None:
     rc, (row,) = capcheck("--caps", "bpf,perfmon,net_admin")
     assert row["start"] and row["exit"] == 0, row
