@@ -26,7 +26,7 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # --- Debian packages ------------------------------------------------------
-DEB_PKGS=(python3-bpfcc libbpfcc bpfcc-tools iproute2 iputils-ping gcc make libibverbs1 chromium prometheus zstd procps)
+DEB_PKGS=(python3-bpfcc libbpfcc bpfcc-tools iproute2 iputils-ping gcc make libibverbs1 chromium prometheus zstd procps shellcheck systemd)
 missing=()
 for p in "${DEB_PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
