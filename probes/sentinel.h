@@ -60,7 +60,7 @@
 #define SENTINEL_STAT_ORPHAN_NEW 1
 #define SENTINEL_STAT_SOCK_NEW 2
 #define SENTINEL_STAT_CONN_NEW 3
-#define SENTINEL_STAT_RETRANS_NEW 4
+#define SENTINEL_STAT_UNUSED_4 4 /* was retrans (now tcp_info via sock_diag) */
 #define SENTINEL_STAT_UNUSED_5 5 /* was devs (netdev now reads netlink) */
 #define SENTINEL_STAT_NCCL_NEW 6
 #define SENTINEL_STAT_QP_NEW 7
@@ -103,16 +103,15 @@ struct orphan_key {
     u64 sk;
 };
 
-/* socks: socket address -> 4-tuple and latest path figures (tcp_probe).
- * Kept while the socket lives; deleted by the kernel when it closes. */
+/* socks: socket address -> 4-tuple and owner. Kept while the socket lives;
+ * deleted by the kernel when it closes. (srtt, cwnd and retransmits are not
+ * here: probes/sockdiag.py reads the kernel's tcp_info at each poll.) */
 struct sock_info {
     struct flow_tuple t;
-    u32 tgid;     /* process last seen sending/receiving (0: none yet) */
-    u32 known;    /* 1 once t is filled */
-    u32 srtt_us;  /* tcp_probe srtt (already microseconds) */
-    u32 snd_cwnd; /* segments */
-    u32 snd_wnd;  /* bytes */
-    u32 ssthresh;
+    u32 tgid;   /* process last seen sending/receiving (0: none yet) */
+    u32 known;  /* 1 once t is filled */
+    u32 ignore; /* set by user space: not a TCP socket, count nothing */
+    u32 pad;
 };
 
 /* conn_events: connection life events, drained every interval. */

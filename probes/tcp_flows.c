@@ -3,10 +3,15 @@
  *
  *   sock:sock_send_length / sock_recv_length  bytes per (process, socket),
  *       in process context, so the tgid is the process that moved the bytes
- *   tcp:tcp_probe            socket -> 4-tuple, srtt, cwnd, send window
  *   sock:inet_sock_set_state socket -> 4-tuple, open/close
- *   tcp:tcp_retransmit_skb   retransmits per 4-tuple
+ *   tcp:tcp_probe            socket -> 4-tuple for sockets older than the
+ *       probes; attached by the loader only while such a socket waits for a
+ *       name (it runs once per received segment: the dearest hook here)
  *   tcp:tcp_send_reset / tcp_receive_reset   resets per 4-tuple
+ *
+ * srtt, cwnd, the send window and retransmits are not counted here: the
+ * kernel keeps them per socket, and probes/sockdiag.py reads them (tcp_info)
+ * at every poll for nothing per packet.
  *
  * The socket pointer is used only as a map key, never dereferenced. */
 
@@ -14,13 +19,11 @@ BPF_TABLE("lru_hash", struct flow_key, struct flow_counters, flows, SENTINEL_MAX
 BPF_TABLE("lru_hash", struct orphan_key, struct flow_counters, orphans, SENTINEL_MAX_EVENTS);
 BPF_TABLE("lru_hash", u64, struct sock_info, socks, SENTINEL_MAX_SOCKS);
 BPF_TABLE("lru_hash", struct conn_key, struct conn_counters, conn_events, SENTINEL_MAX_EVENTS);
-BPF_TABLE("lru_hash", struct flow_tuple, u64, retrans, SENTINEL_MAX_EVENTS);
 /* socket -> the process that last moved bytes on it before it was named */
 BPF_TABLE("lru_hash", u64, u32, sock_owner_hint, SENTINEL_MAX_EVENTS);
 
 /* The 4-tuple of tracepoints that carry family, sport, dport and separate
- * v4/v6 address fields (inet_sock_set_state, tcp_retransmit_skb,
- * tcp_receive_reset). The fields sit at unaligned offsets in some of these
+ * v4/v6 address fields (inet_sock_set_state, tcp_receive_reset). The fields sit at unaligned offsets in some of these
  * records, so they are copied with probe reads rather than loaded. */
 #define TUPLE_FROM_ARGS(t, args)                                          \
     do {                                                                  \
@@ -67,6 +70,8 @@ static __always_inline void count_io(u64 sk, int ret, int flags, int rx)
         return;
     struct flow_counters *c = 0;
     struct sock_info *si = socks.lookup(&sk);
+    if (si && si->ignore)
+        return; /* user space found it is no TCP socket (unix, udp) */
     if (si && si->known) {
         if (si->tgid != tgid)
             si->tgid = tgid;
@@ -126,6 +131,8 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     u64 sk = (u64)args->skaddr;
     struct sock_info *si = socks.lookup(&sk);
+    if (si && si->known)
+        return 0; /* named already: nothing else is read here */
     if (!si) {
         u32 *hint = sock_owner_hint.lookup(&sk);
         if (SENTINEL_FILTER_PIDS && !(hint && tgid_allowed(*hint)))
@@ -139,19 +146,14 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
         if (!si)
             return 0;
     }
-    if (!si->known) {
-        u8 ls[28] = {}, rs[28] = {};
-        bpf_probe_read_kernel(ls, sizeof(ls), args->saddr);
-        bpf_probe_read_kernel(rs, sizeof(rs), args->daddr);
-        tuple_sockaddrs(&si->t, ls, rs);
-        si->t.lport = args->sport;
-        si->t.rport = args->dport;
-        si->known = 1;
-    }
-    si->srtt_us = args->srtt;
-    si->snd_cwnd = args->snd_cwnd;
-    si->snd_wnd = args->snd_wnd;
-    si->ssthresh = args->ssthresh;
+    u8 ls[28] = {}, rs[28] = {};
+    bpf_probe_read_kernel(ls, sizeof(ls), args->saddr);
+    bpf_probe_read_kernel(rs, sizeof(rs), args->daddr);
+    tuple_sockaddrs(&si->t, ls, rs);
+    si->t.lport = args->sport;
+    si->t.rport = args->dport;
+    si->known = 1;
+    si->ignore = 0;
     return 0;
 }
 #endif
@@ -226,6 +228,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         } else {
             si->t = t;
             si->known = 1;
+            si->ignore = 0;
         }
         conn_event(&t, SENTINEL_CONN_OPEN, sk, tgid);
     }
@@ -240,33 +243,6 @@ static __always_inline u32 sock_owner(u64 sk, int *allowed)
     *allowed = !SENTINEL_FILTER_PIDS || (si && tgid_allowed(tgid));
     return tgid;
 }
-
-#ifdef SENTINEL_HAVE_tcp__tcp_retransmit_skb
-TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
-{
-#ifdef SENTINEL_RETRANS_HAS_ERR
-    if (args->err != 0)
-        return 0; /* it did not leave: not a retransmit on the wire */
-#endif
-    int allowed = 0;
-    sock_owner((u64)args->skaddr, &allowed);
-    if (!allowed)
-        return 0;
-    struct flow_tuple t = {};
-    TUPLE_FROM_ARGS(t, args);
-    u64 *n = retrans.lookup(&t);
-    if (!n) {
-        u64 zero = 0;
-        if (retrans.insert(&t, &zero) == 0)
-            stat_add(SENTINEL_STAT_RETRANS_NEW, 1);
-        n = retrans.lookup(&t);
-        if (!n)
-            return 0;
-    }
-    __sync_fetch_and_add(n, 1);
-    return 0;
-}
-#endif
 
 #ifdef SENTINEL_HAVE_tcp__tcp_send_reset
 TRACEPOINT_PROBE(tcp, tcp_send_reset)
