@@ -43,6 +43,7 @@ STAT_NAMES = {
     1: "orphans",
     2: "socks",
     3: "conn_events",
+    4: "closed",
     6: "nccl_calls",
     7: "qps",
 }
@@ -53,6 +54,7 @@ STAT_ORPHAN_BYTES = 9
 DRAINED_MAPS = (
     "sock_owner_hint",
     "flows",
+    "closed",
     "orphans",
     "conn_events",
     "nccl_calls",
@@ -202,6 +204,8 @@ class ProbeSet:
         self.report = AttachReport()
         self.evictions = R.Evictions()
         self._orphans: dict[tuple[int, int], tuple[R.FlowFigures, int]] = {}
+        # (socket address, 4-tuple) -> (tx, rx) its sock_info showed last poll
+        self._sock_seen: dict[tuple[int, R.Tuple], tuple[int, int]] = {}
         self._pending_conns: list[tuple[dict[str, Any], int, R.Tuple, int]] = []
         self._stats: dict[int, int] = {}
         self.lost_orphan_bytes = 0
@@ -271,6 +275,8 @@ class ProbeSet:
             except KeyError:  # its family is not compiled in
                 continue
             self.evictions.harvest(name, sum(1 for _ in _drain(table, self._batch)))
+        if "tcp" in self.config.families:  # bytes already in sock_info are the baseline
+            self._owner_bytes({_int(k): v for k, v in _read_all(self._bpf[b"socks"], self._batch)})
         self._last_t = self._clock()
         self._stats = self._read_stats()
         if "tcp" in self.config.families:
@@ -492,7 +498,7 @@ class ProbeSet:
         # socks is not drained: what it lost to the LRU is what was created
         # minus what the kernel deleted minus what is still there.
         self.evictions.harvested["socks"] = self._stat(STAT_SOCK_DEL) + len(socks)
-        flows: dict[tuple[int, R.Tuple], R.FlowFigures] = {}
+        flows = self._owner_bytes(socks)
         for k, v in self._harvest("flows"):
             key = (int(k.tgid), _tuple(k.t))
             flows.setdefault(key, R.FlowFigures()).add(*_fields(v, "tx_bytes", "rx_bytes"))
@@ -513,6 +519,36 @@ class ProbeSet:
         out = R.flow_records(flows, now, dt, host)
         out += self._conn_records(b, batch, now, host, socks, owners)
         return out
+
+    def _owner_bytes(self, socks: dict[int, Any]) -> dict[tuple[int, R.Tuple], R.FlowFigures]:
+        """Each socket owner's bytes since the last poll: the cumulative
+        counts in its sock_info (read in place) minus those seen last time,
+        then the final counts of sockets that closed since (drained from
+        `closed`), minus what was seen of them. Read in that order, a socket
+        that closes between the two reads is counted once."""
+        flows: dict[tuple[int, R.Tuple], R.FlowFigures] = {}
+        seen = self._sock_seen
+        now: dict[tuple[int, R.Tuple], tuple[int, int]] = {}
+
+        def add(key: tuple[int, R.Tuple], tgid: int, tx: int, rx: int) -> None:
+            tx0, rx0 = seen.get(key, (0, 0))
+            if tx > tx0 or rx > rx0:
+                flows.setdefault((tgid, key[1]), R.FlowFigures()).add(
+                    max(0, tx - tx0), max(0, rx - rx0)
+                )
+
+        for sk, v in socks.items():
+            if v.known and v.tgid:
+                key = (sk, _tuple(v.t))
+                cur = (int(v.tx_bytes), int(v.rx_bytes))
+                add(key, int(v.tgid), *cur)
+                now[key] = seen[key] = cur
+        for k, v in self._harvest("closed"):
+            key = (int(k.sk), _tuple(k.t))
+            add(key, int(v.tgid), int(v.tx_bytes), int(v.rx_bytes))
+            now.pop(key, None)
+        self._sock_seen = now  # the rest closed or were evicted
+        return flows
 
     def _read_diag(self, extra_pids: set[int]) -> list[tuple[tuple[int, int], DiagSocket]]:
         """Every TCP socket's tcp_info now, in the namespaces of the
