@@ -732,10 +732,14 @@ class ProbeSet:
         """Events lost on the kernel side so far, by source (the exporter's
         ``events_lost_total``): ``map_eviction`` (entries the LRU maps evicted
         before a poll read them), ``tracepoint_miss`` (program runs the kernel
-        skipped). A source added here is exported with no other change."""
+        skipped), ``sock_diag_read_error`` (namespace reads of tcp_info that
+        failed: that poll's srtt/cwnd of the namespace, and the retransmits
+        since its last read, are lost). A source added here is exported with
+        no other change."""
         return {
             "map_eviction": sum(self.evictions.evicted().values()),
             "tracepoint_miss": sum(self.missed_events().values()),
+            "sock_diag_read_error": self._sockdiag.read_errors if self._sockdiag else 0,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -245,6 +245,7 @@ class SockDiag:
         self._prev: dict[tuple[int, int], dict[int, int]] = {}  # ns -> cookie -> total_retrans
         self.last_read: set[tuple[int, int]] = set()  # namespaces the last read() read
         self.errors: dict[str, str] = {}  # namespace path -> last read error
+        self.read_errors = 0  # namespace reads that failed (their figures lost)
 
     def _paths(self, pids: Iterable[int]) -> Iterator[str | None]:
         yield None
@@ -276,6 +277,7 @@ class SockDiag:
                 got = dump(sock)
             except OSError as e:  # namespace vanished mid-read, or no sock_diag
                 self.errors[path or "self"] = str(e)
+                self.read_errors += 1
                 self._drop(ident)
                 continue
             self.errors.pop(path or "self", None)
