@@ -105,6 +105,7 @@ class Instrumentation:
         self.world_size = world_size
         self.host = host
         self.job = job_id(os.environ)
+        self.store = store_address(os.environ)
         self.clock = clock
         self._owns_emitter = owns_emitter
         self.current_step = 0
@@ -151,6 +152,7 @@ class Instrumentation:
                 "pid": os.getpid(),
                 "addrs": local_addrs(),
                 **({"job": self.job} if self.job else {}),
+                **({"store": self.store} if self.store else {}),
             }
         )
 
@@ -408,6 +410,15 @@ def job_id(env: Mapping[str, str]) -> str:
     addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
     if addr and port:
         return "rdzv-" + hashlib.sha256(f"{addr}:{port}".encode()).hexdigest()[:8]
+    return ""
+
+
+def store_address(env: Mapping[str, str]) -> str:
+    """The job's own c10d store (torchrun's TCPStore at ``MASTER_ADDR:MASTER_PORT``),
+    which node daemons join in cluster mode (docs/cluster.md); ``""`` when unset."""
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if addr and port.isdigit():
+        return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
     return ""
 
 

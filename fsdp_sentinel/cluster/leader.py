@@ -181,6 +181,10 @@ class LeaderDetector:
                     {"kind": "netdev", "t": t, "dt": dt, "host": host, "dev": "",
                      "tx_bytes": 0, "rx_bytes": 0}
                 )  # fmt: skip
+            for rec in w.records:
+                if rec.get("kind") == "rank":
+                    ranks.add(rec["rank"])
+                    hosts.add(rec["host"])
             recs.extend(w.records)
             recs.append({"kind": "clock", "t": w.t})
         recs.sort(key=_order)

@@ -62,7 +62,7 @@ class NodeWindows:
     def feed(self, rec: Record) -> None:
         """File one record of this node's ranks or probes."""
         kind = rec.get("kind")
-        t = rec.get("t", rec.get("end"))
+        t: Any = rec.get("t", rec.get("end"))
         if type(t) in (int, float) and t > self.now:
             self.now = float(t)
         if kind == "coll":
@@ -85,7 +85,8 @@ class NodeWindows:
             self._ranks.add(rank)
             self._finalize(step)
         elif kind in ("netdev", "flow"):
-            host, dt = rec.get("host"), rec.get("dt")
+            host = rec.get("host")
+            dt: Any = rec.get("dt")
             # One entry per host and poll (a poll's records share its time):
             # the leader's clock then moves as the single daemon's would.
             if isinstance(host, str) and type(t) in (int, float) and type(dt) in (int, float):
