@@ -50,10 +50,17 @@ class LeaderCorrelator(Correlator):
             return
         self.digests.setdefault(d.step, []).append(d)
         self.malformed += d.malformed
+        top = self.top_seq
         for rd in d.ranks:
             rs = self.rank_of(rd.rank)
             if rs.first_step is None or d.step < rs.first_step:
                 rs.first_step = d.step
+            if d.step > rs.max_coll_step:
+                rs.max_coll_step = d.step
+                if d.step > self.max_coll_step:
+                    self.max_coll_step = d.step
+            if rd.top_seq > top.get(rd.rank, -1):
+                top[rd.rank] = rd.top_seq
 
     def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
         """A node's word on its rank: last heard, newest step and seq with collectives."""
@@ -187,7 +194,7 @@ class LeaderDetector:
                     hosts.add(rec["host"])
             recs.extend(w.records)
             recs.append({"kind": "clock", "t": w.t})
-        recs.sort(key=_order)
+        recs.sort(key=_time)
         out: list[Record] = []
         feed = self.pipeline.feed
         for rec in recs:
@@ -200,11 +207,13 @@ class LeaderDetector:
         return out
 
 
-def _order(rec: Record) -> float:
-    try:
-        return record_time(rec)
-    except (KeyError, TypeError, ValueError):
-        return 0.0
+def _time(rec: Record) -> float:
+    """Where a record goes on the time line (``trace.record_time``'s rule for the
+    kinds a window holds, inlined: it runs for every record of every window)."""
+    t = rec.get("t")
+    if t is None:
+        t = rec.get("end")
+    return t if type(t) is float or type(t) is int else record_time(rec)
 
 
 def leader_of(roster: Sequence[tuple[int, str]], dark: Iterable[str]) -> str | None:

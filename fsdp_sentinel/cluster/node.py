@@ -114,14 +114,27 @@ class NodeWindows:
         a window is also the node's heartbeat)."""
         if now is not None and now > self.now:
             self.now = now
+        # A step whose step record goes in this window needs no progress point
+        # (the record's end is later than its collectives; the digest has its seq).
+        sent = {(r["rank"], r["step"]) for r in self._out if r.get("kind") == "step"}
+        progress = tuple(
+            (r, p[0], s, p[1]) for (r, s), p in sorted(self._progress.items()) if (r, s) not in sent
+        )
+        # One poll time per host and probe interval (a poll's records may
+        # differ by a little in time: the first of them stands for it).
+        heard: list[tuple[str, float, float]] = []
+        for (h, t), dt in sorted(self._heard.items()):
+            if heard and heard[-1][0] == h and t - heard[-1][1] < dt / 2:
+                continue
+            heard.append((h, t, dt))
         w = Window(
             self.node,
             self.seq,
             self.now,
             tuple(self._out),
             tuple(self._digests),
-            tuple((r, p[0], s, p[1]) for (r, s), p in sorted(self._progress.items())),
-            tuple((h, t, dt) for (h, t), dt in sorted(self._heard.items())),
+            progress,
+            tuple(heard),
         )
         self.seq += 1
         self._out = []

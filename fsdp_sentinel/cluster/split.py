@@ -3,7 +3,8 @@
 Hook records (``rank``, ``step``, ``coll``, ``pending``) belong to their
 rank's host; ``flow`` and ``conn`` records to the host of the process (``pid``)
 or of the local address (``src``) they name; probe-time records (``netdev``,
-``clock``) reach every host, whose own probes would have made them. Used to
+``clock``) go to the host they name, or to every host when they name none of
+the ranks' hosts (a lab capture's one daemon saw every namespace). Used to
 check that cluster mode gives the single daemon's verdicts on real captures
 (tests, ``bench/leader_scale``), and by :func:`run_split` to replay a trace
 as per-host daemons and a leader, with windows cut every ``interval_s`` of
@@ -36,6 +37,7 @@ def split_by_host(records: list[Record]) -> Iterator[tuple[tuple[str, ...], Reco
             for a in r.get("addrs") or ():
                 host_of_ip[a] = r["host"]
     everyone = tuple(sorted(set(host_of_rank.values())))
+    hosts = frozenset(everyone)
     for r in records:
         kind = r.get("kind")
         if kind in _SKIP:
@@ -48,8 +50,9 @@ def split_by_host(records: list[Record]) -> Iterator[tuple[tuple[str, ...], Reco
             if h is None:
                 h = host_of_ip.get(str(r.get("src", "")).rsplit(":", 1)[0])
             yield ((h,) if h else everyone), r
-        else:
-            yield everyone, r
+        else:  # probe-time records: their host's, or (one daemon saw them all) everyone's
+            h = r.get("host")
+            yield ((h,) if h in hosts else everyone), r
 
 
 def run_split(
