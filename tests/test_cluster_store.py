@@ -161,3 +161,38 @@ def test_store_keys_are_namespaced_per_job(server) -> None:  # type: ignore[no-u
     assert a.read_verdicts(0, live_nodes=2) == (n, [{"rank": 1}])
     assert a.read_verdicts(0, live_nodes=2) == (n, [{"rank": 1}])  # the second reader...
     assert a.read_verdicts(n - 1, live_nodes=2) == (n - 1, [])  # ...deleted it
+
+
+def test_the_daemons_cluster_pipeline_hands_back_the_leaders_verdicts(server) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from fsdp_sentinel.cluster.agent import ClusterPipeline
+
+    recs = list(trace.read_trace(TRACES / "lab-slow-compute.jsonl.zst"))
+    # One node holding every rank: it leads, and its verdicts come back
+    # through the store on the agent's own thread.
+    for r in recs:
+        if r.get("kind") == "rank":
+            r["store"] = f"127.0.0.1:{server.port}"
+            r["job"] = "jp"
+    cp = ClusterPipeline(Pipeline(), ClusterAgent("vm"), interval_s=0.05).start()
+    try:
+        first = [r for r in recs if r.get("kind") == "rank"]
+        for r in first:
+            cp.feed(r)
+        deadline = time.monotonic() + 10.0
+        while cp.agent.view != "cluster" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # The store answers: the node's own verdicts give way to the leader's.
+        local = [v for r in recs if r.get("kind") != "rank" for v in cp.feed(r)]
+        assert not [v for v in local if v["evidence"].get("view") == "node"]
+        got: list[dict] = []
+        deadline = time.monotonic() + 10.0
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+            got.extend(cp.feed({"kind": "clock", "t": recs[-1].get("t", 0.0)}))
+    finally:
+        cp.close()
+    want = _flags(Pipeline().feed_many(recs))
+    assert [(r, c) for _, r, c in _flags(local + got)] == [(r, c) for _, r, c in want]
+    assert cp.agent.view == "cluster" and cp.agent.stats["takeovers"] == 1

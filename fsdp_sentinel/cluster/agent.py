@@ -244,3 +244,36 @@ class AgentThread:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
+
+
+class ClusterPipeline:
+    """The daemon's pipeline in cluster mode (``fsdp-sentinel run --cluster``).
+
+    Wraps the node's own :class:`~fsdp_sentinel.pipeline.Pipeline` (what the
+    daemon already runs over its node's records): every record also goes to
+    the agent; the verdicts handed back are the leader's, as they arrive
+    (each record the daemon handles, its own clock record every interval at
+    least, collects them), or, while the store is away, the node pipeline's
+    own, marked ``view: node``. The snapshot is the node's own.
+    """
+
+    def __init__(self, pipeline: Any, agent: ClusterAgent, interval_s: float = 0.5) -> None:
+        self.pipeline = pipeline
+        self.agent = agent
+        self.thread = AgentThread(agent, interval_s)
+
+    def start(self) -> ClusterPipeline:
+        self.thread.start()
+        return self
+
+    def feed(self, rec: Record) -> Sequence[Record]:
+        self.agent.feed(rec)
+        out = self.agent.local(self.pipeline.feed(rec))
+        heard = self.thread.drain()
+        return out + heard if heard else out
+
+    def snapshot(self) -> Any:
+        return self.pipeline.snapshot()
+
+    def close(self) -> None:
+        self.thread.stop()
