@@ -220,3 +220,12 @@ def test_a_window_that_is_not_one_is_a_clear_error() -> None:
     for bad in (b"", b"[]", b'{"node": 1}', b"\xff"):
         with pytest.raises(ValueError, match="not a cluster window"):
             CS.decode(bad)
+
+
+def test_rank_records_name_the_jobs_store_from_torchruns_environment() -> None:
+    from fsdp_sentinel.hooks import store_address
+
+    assert store_address({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}) == "10.0.0.1:29500"
+    assert store_address({"MASTER_ADDR": "fd00::1", "MASTER_PORT": "29500"}) == "[fd00::1]:29500"
+    assert store_address({"MASTER_ADDR": "10.0.0.1"}) == ""
+    assert store_address({"MASTER_ADDR": "h", "MASTER_PORT": "x"}) == ""
