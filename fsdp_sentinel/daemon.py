@@ -562,6 +562,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--live", action="store_true", help="show the live per-rank table")
     parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="one daemon per node: meet the other nodes' daemons in the job's own c10d "
+        "store (found from the ranks' rank records), elect a leader, act on its verdicts",
+    )
+    parser.add_argument(
         "--interval",
         type=_interval,
         default=1.0,
@@ -649,6 +655,13 @@ def main(args: argparse.Namespace) -> int:
         metrics_addr=args.metrics_addr,
         interval=args.interval,
     )
+    if args.cluster:
+        # One daemon per node; the job's own store joins them (docs/cluster.md).
+        from fsdp_sentinel.cluster.agent import ClusterAgent, ClusterPipeline
+
+        pipeline = ClusterPipeline(
+            pipeline, ClusterAgent(host, config=getattr(pipeline, "config", None)), args.interval
+        ).start()
     daemon = Daemon(config, pipeline=pipeline, remediator=remediator, host=host)
     previous = _install_signals(daemon)
     try:
@@ -669,6 +682,8 @@ def main(args: argparse.Namespace) -> int:
             daemon.run()
     finally:
         daemon.close()
+        if args.cluster:
+            pipeline.close()  # type: ignore[attr-defined]
         for sig, old in previous:
             signal.signal(sig, old)
     return 0

@@ -122,6 +122,7 @@ class Instrumentation:
         self.world_size = world_size
         self.host = host
         self.job = job_id(os.environ)
+        self.store = store_address(os.environ)
         self.clock = clock
         self._owns_emitter = owns_emitter
         self.current_step = 0
@@ -173,6 +174,7 @@ class Instrumentation:
                 "pid": os.getpid(),
                 "addrs": local_addrs(),
                 **({"job": self.job} if self.job else {}),
+                **({"store": self.store} if self.store else {}),
             }
         )
 
@@ -557,6 +559,15 @@ def socket_for(socket_path: str | None | _Env, env: Mapping[str, str]) -> str | 
     """The socket :func:`instrument` sends to: ``socket_path`` when given (None:
     none), else the launcher's choice in ``env`` (``emit.socket_from_env``)."""
     return socket_from_env(env) if socket_path is FROM_ENV else socket_path  # type: ignore[return-value]
+
+
+def store_address(env: Mapping[str, str]) -> str:
+    """The job's own c10d store (torchrun's TCPStore at ``MASTER_ADDR:MASTER_PORT``),
+    which node daemons join in cluster mode (docs/cluster.md); ``""`` when unset."""
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if addr and port.isdigit():
+        return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+    return ""
 
 
 def instrument(

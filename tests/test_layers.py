@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "pipeline": 4,
     # consumers of the pipeline's output, and the lab
     "replay": 5,
+    "cluster": 5,
     "ingest": 5,
     "exporters": 5,
     "report": 5,

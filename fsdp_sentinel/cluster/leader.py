@@ -1,0 +1,244 @@
+"""The leader: every node's windows in, the job's verdicts out; and who leads (pure).
+
+:class:`LeaderDetector` runs the very :class:`~fsdp_sentinel.pipeline.Pipeline`
+a single daemon runs, with one difference: its correlator
+(:class:`LeaderCorrelator`) has no ``coll`` records, and takes each rank's
+collective figures from the nodes' step digests instead
+(:func:`~fsdp_sentinel.cluster.summary.rank_steps`). Everything else reaches
+it as records (``rank``, ``step``, ``flow``, ``conn``, ``pending``), so it
+attributes flows to ``(rank, peer)`` across nodes by their endpoints just as
+one daemon does, and the pure ``detect()`` sees the same summaries: the same
+verdicts, a slow link between two nodes told from a slow node.
+
+A node whose daemon stopped publishing is *dark* (:meth:`LeaderDetector.set_dark`):
+its ranks and hosts are left out of liveness (a daemon gone says nothing
+about its ranks, so they are not called lost), and steps stop waiting for them.
+
+:func:`leader_of` is the election every node computes alike from the same
+store contents: the first node in roster order (by the lowest rank it holds,
+so rank 0's node leads) that is not dark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fsdp_sentinel.cluster.summary import StepDigest, Window, rank_steps
+from fsdp_sentinel.correlate import Correlator, RankLiveness, Summary
+from fsdp_sentinel.detect import DetectConfig
+from fsdp_sentinel.fabric import FabricTotals
+from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.trace import record_time
+
+Record = dict[str, Any]
+
+
+class LeaderCorrelator(Correlator):
+    """A :class:`Correlator` fed step digests instead of ``coll`` records."""
+
+    def __init__(self, flow_window_s: float = 3.0) -> None:
+        super().__init__(flow_window_s)
+        self.digests: dict[int, list[StepDigest]] = {}
+        self.top_seq: dict[int, int] = {}
+        self.dark_ranks: frozenset[int] = frozenset()
+        self.dark_hosts: frozenset[str] = frozenset()
+
+    def add_digest(self, d: StepDigest) -> None:
+        if d.step <= self.summarised:
+            self.late_records += sum(rd.n_coll for rd in d.ranks)
+            return
+        self.digests.setdefault(d.step, []).append(d)
+        self.malformed += d.malformed
+        top = self.top_seq
+        for rd in d.ranks:
+            rs = self.rank_of(rd.rank)
+            if rs.first_step is None or d.step < rs.first_step:
+                rs.first_step = d.step
+            if d.step > rs.max_coll_step:
+                rs.max_coll_step = d.step
+                if d.step > self.max_coll_step:
+                    self.max_coll_step = d.step
+            if rd.top_seq > top.get(rd.rank, -1):
+                top[rd.rank] = rd.top_seq
+
+    def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
+        """A node's word on its rank: last heard, newest step and seq with collectives."""
+        rs = self.rank_of(rank)
+        if last_t > rs.last_t:
+            rs.last_t = last_t
+        if coll_step > rs.max_coll_step:
+            rs.max_coll_step = coll_step
+            if coll_step > self.max_coll_step:
+                self.max_coll_step = coll_step
+        if top_seq > self.top_seq.get(rank, -1):
+            self.top_seq[rank] = top_seq
+
+    def pending_steps(self) -> list[int]:
+        return sorted(set(super().pending_steps()) | set(self.digests))
+
+    def step_summary(self, step: int, now: float) -> Summary:
+        # The base files the step records away (and keeps its books); the
+        # collective figures then come from the digests.
+        base = super().step_summary(step, now)
+        digests = self.digests.pop(step, [])
+        for old in [s for s in self.digests if s < step]:
+            self.late_records += sum(rd.n_coll for d in self.digests.pop(old) for rd in d.ranks)
+        ranks = rank_steps(digests, {rs.rank: rs.step_s for rs in base.ranks})
+        for r in ranks:
+            rs = self.rank_of(r.rank)
+            rs.last = r
+            if r.step_s is not None:
+                rs.wait_seconds_total += min(r.wait_s, r.step_s)
+        return base._replace(ranks=ranks)
+
+    def newest_seq(self, rs: Any) -> int:
+        return max(super().newest_seq(rs), self.top_seq.get(rs.rank, -1))
+
+    def liveness(self) -> tuple[RankLiveness, ...]:
+        live = super().liveness()
+        if not self.dark_ranks:
+            return live
+        return tuple(lv for lv in live if lv.rank not in self.dark_ranks)
+
+    def stall(self, keep_s: float = 30.0) -> Any:
+        st = super().stall(keep_s)
+        if not self.dark_hosts:
+            return st
+        return st._replace(
+            hosts_heard=tuple(h for h in st.hosts_heard if h[0] not in self.dark_hosts)
+        )
+
+    def expected(self, step: int, lag: int = 2) -> int:
+        n = super().expected(step, lag)
+        for r in self.dark_ranks:
+            rs = self.ranks.get(r)
+            if (
+                rs is not None
+                and not rs.lost
+                and rs.first_step is not None
+                and rs.first_step <= step
+                and max(rs.done_step, rs.max_coll_step) >= step - lag
+            ):
+                n -= 1
+        return n
+
+
+class LeaderPipeline(Pipeline):
+    """The single daemon's :class:`Pipeline` over a :class:`LeaderCorrelator`, which
+    also takes the nodes' ``progress`` points (rank, its newest record's time,
+    step and seq) in time order with the other records, as ``coll`` records
+    would have moved the correlator and the clock."""
+
+    def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
+        super().__init__(config, finalize_lag)
+        corr = self.lcorr = LeaderCorrelator(self.config.network.flow_window_s)
+        self.corr = corr
+        self._add_coll = corr.add_coll
+        self.fabric = FabricTotals(corr.local_rank)
+        self._handlers["progress"] = self._on_progress
+
+    def _on_progress(self, rec: Record) -> list[Record]:
+        self.lcorr.add_progress(rec["rank"], rec["t"], rec["step"], rec["seq"])
+        return self._clock_to(rec["t"])
+
+
+class LeaderDetector:
+    """Detection over every node's windows (see the module docstring).
+
+    ``ingest(windows)`` takes one round of windows (any nodes, any number
+    each) and returns the verdict records they caused, each with
+    ``evidence.view = "cluster"``.
+    """
+
+    def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
+        self.pipeline = LeaderPipeline(config, finalize_lag)
+        self.corr = self.pipeline.lcorr
+        self.node_ranks: dict[str, set[int]] = {}
+        self.node_hosts: dict[str, set[str]] = {}
+        self.windows = 0
+
+    def set_dark(self, nodes: Iterable[str]) -> None:
+        """Nodes whose daemons stopped publishing (their ranks are not judged)."""
+        dark = set(nodes)
+        self.corr.dark_ranks = frozenset(r for n in dark for r in self.node_ranks.get(n, ()))
+        self.corr.dark_hosts = frozenset(h for n in dark for h in self.node_hosts.get(n, ()))
+
+    def ingest(self, windows: Sequence[Window]) -> list[Record]:
+        corr = self.corr
+        recs: list[Record] = []
+        for w in windows:
+            self.windows += 1
+            ranks = self.node_ranks.setdefault(w.node, set())
+            hosts = self.node_hosts.setdefault(w.node, set())
+            for d in w.digests:
+                corr.add_digest(d)
+            for rank, t, step, seq in w.progress:
+                ranks.add(rank)
+                # Known from its window on, as a single daemon knows a rank
+                # from its first coll record: steps wait for it.
+                rs = corr.rank_of(rank)
+                if step >= 0 and (rs.first_step is None or step < rs.first_step):
+                    rs.first_step = step
+                recs.append({"kind": "progress", "t": t, "rank": rank, "step": step, "seq": seq})
+            for host, t, dt in w.heard:
+                hosts.add(host)
+                # A netdev record of no device: the host's probes were heard.
+                recs.append(
+                    {"kind": "netdev", "t": t, "dt": dt, "host": host, "dev": "",
+                     "tx_bytes": 0, "rx_bytes": 0}
+                )  # fmt: skip
+            for rec in w.records:
+                if rec.get("kind") == "rank":
+                    ranks.add(rec["rank"])
+                    hosts.add(rec["host"])
+            recs.extend(w.records)
+            recs.append({"kind": "clock", "t": w.t})
+        recs.sort(key=_time)
+        out: list[Record] = []
+        feed = self.pipeline.feed
+        for rec in recs:
+            out.extend(feed(rec))
+        for v in out:
+            ev = v.get("evidence")
+            if not isinstance(ev, dict):
+                ev = v["evidence"] = {}
+            ev["view"] = "cluster"
+        return out
+
+
+def _time(rec: Record) -> float:
+    """Where a record goes on the time line (``trace.record_time``'s rule for the
+    kinds a window holds, inlined: it runs for every record of every window)."""
+    t = rec.get("t")
+    if t is None:
+        t = rec.get("end")
+    return t if type(t) is float or type(t) is int else record_time(rec)
+
+
+def leader_of(roster: Sequence[tuple[int, str]], dark: Iterable[str]) -> str | None:
+    """The node that leads: first by lowest rank held (``roster``: (rank, node)) and not dark."""
+    gone = set(dark)
+    for _, node in sorted(roster):
+        if node not in gone:
+            return node
+    return None
+
+
+class Liveness:
+    """Which nodes went dark: a node is dark once its heartbeat (its window
+    ``seq``) has not moved for ``miss`` of the watcher's own windows."""
+
+    def __init__(self, miss: int = 2) -> None:
+        self.miss = miss
+        self._seen: dict[str, tuple[int, int]] = {}  # node -> (its seq, my window then)
+        self.tick = 0
+
+    def observe(self, beats: dict[str, int]) -> frozenset[str]:
+        """One of my windows: every node's latest heartbeat; returns the dark ones."""
+        self.tick += 1
+        for node, seq in beats.items():
+            old = self._seen.get(node)
+            if old is None or seq != old[0]:
+                self._seen[node] = (seq, self.tick)
+        return frozenset(n for n, (_, at) in self._seen.items() if self.tick - at >= self.miss)

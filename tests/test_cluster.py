@@ -1,0 +1,231 @@
+"""Cluster mode, pure parts: node digests, the leader's detection, the election.
+
+The oracle is the single daemon: the same records through one
+:class:`~fsdp_sentinel.pipeline.Pipeline` (what `fsdp-sentinel replay` runs).
+Cut by host into node windows and judged by the leader, every golden capture
+and every synthetic job must give the same flagged ranks and causes, within
+one step of the single daemon's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from fsdp_sentinel import synth as S
+from fsdp_sentinel import trace
+from fsdp_sentinel.cluster import summary as CS
+from fsdp_sentinel.cluster.leader import LeaderDetector, Liveness, leader_of
+from fsdp_sentinel.cluster.node import NodeWindows
+from fsdp_sentinel.cluster.split import run_split, split_by_host
+from fsdp_sentinel.correlate import Correlator
+from fsdp_sentinel.detect.config import LostConfig
+from fsdp_sentinel.pipeline import Pipeline
+
+TRACES = Path(__file__).parent / "traces"
+GOLDEN = sorted(TRACES.glob("*.jsonl.zst"))
+
+
+def _flags(verdicts: list[dict]) -> list[tuple[int, int, str]]:
+    return [(v["step"], v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged"]
+
+
+def _same_within_a_step(single: list[dict], cluster: list[dict]) -> None:
+    a, b = _flags(single), _flags(cluster)
+    assert [(r, c) for _, r, c in a] == [(r, c) for _, r, c in b], (a, b)
+    for (sa, _, _), (sb, _, _) in zip(a, b, strict=True):
+        assert abs(sa - sb) <= 1, (a, b)
+
+
+def _colls(rng: random.Random, rank: int, step: int, keys: list, skew: float) -> list[dict]:
+    out, t = [], 100.0 + step
+    for k in keys:
+        issue = t + rng.random() * 0.01 + skew
+        end = t + 0.05 + rng.random() * 0.01
+        rec = {"kind": "coll", "rank": rank, "step": step, "op": "all_gather", "bytes": 8}
+        if isinstance(k, tuple):
+            rec["group"], rec["seq"] = k
+        else:
+            rec["seq"] = k
+        rec.update(issue=issue, end=end)
+        out.append(rec)
+        t = end + 0.001
+    return out
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("per_node", [1, 2, 3])
+def test_digests_rebuild_the_correlators_rank_steps(aligned: bool, per_node: int) -> None:
+    rng = random.Random(per_node * 2 + aligned)
+    ranks = 6
+    corr = Correlator()
+    by_node: dict[int, dict[int, list[dict]]] = {}
+    step_s = {}
+    for r in range(ranks):
+        keys: list = list(range(10, 18))
+        if not aligned:  # two process groups, and one rank missing a collective
+            keys = [("dp", i) for i in range(4)] + [(f"tp{r % 2}", i) for i in range(3)]
+            if r == 4:
+                keys = keys[:-1]
+        colls = _colls(rng, r, 3, keys, skew=0.03 if r == 2 else 0.0)
+        for c in colls:
+            corr.add_coll(c)
+        corr.add_step({"rank": r, "step": 3, "start": 99.0, "end": 103.5 + r * 0.01})
+        step_s[r] = 103.5 + r * 0.01 - 99.0
+        by_node.setdefault(r // per_node, {})[r] = colls
+    want = corr.step_summary(3, 110.0).ranks
+    digests = [CS.digest_step(3, colls) for colls in by_node.values()]
+    # Through the wire form too: what the leader reads is what was sent.
+    w = CS.Window("n", 0, 1.0, (), tuple(digests), (), ())
+    got = CS.rank_steps(CS.decode(CS.encode(w)).digests, step_s)
+    if aligned:
+        assert got == want  # to the last bit
+    else:
+        assert [g[:2] + g[6:] for g in got] == [w[:2] + w[6:] for w in want]
+        for g, e in zip(got, want, strict=True):
+            assert g.late_s == pytest.approx(e.late_s, abs=1e-12)
+            assert g.last_frac == e.last_frac and g.wait_s == e.wait_s
+    assert max(got, key=lambda rs: rs.late_s).rank == 2
+
+
+def test_window_bytes_grow_with_ranks_not_with_collectives_per_node() -> None:
+    rng = random.Random(1)
+    one = CS.digest_step(0, {0: _colls(rng, 0, 0, list(range(40)), 0.0)})
+    eight = CS.digest_step(0, {r: _colls(rng, r, 0, list(range(40)), 0.0) for r in range(8)})
+    b1 = len(CS.encode(CS.Window("n", 0, 0.0, (), (one,), (), ())))
+    b8 = len(CS.encode(CS.Window("n", 0, 0.0, (), (eight,), (), ())))
+    # Per rank: its own figures and the keys where it arrived last; the
+    # group's 40 maxima and minima are sent once per node, not per rank.
+    assert (b8 - b1) / 7 < b1 / 2
+
+
+def test_a_node_holds_step_records_back_until_their_digest_goes() -> None:
+    nw = NodeWindows("h0")
+    nw.feed({"kind": "rank", "t": 1.0, "rank": 0, "world_size": 2, "host": "h0", "pid": 1,
+             "addrs": []})  # fmt: skip
+    nw.feed({"kind": "rank", "t": 1.0, "rank": 1, "world_size": 2, "host": "h0", "pid": 2,
+             "addrs": []})  # fmt: skip
+    for r in (0, 1):
+        for c in _colls(random.Random(r), r, 0, [0, 1], 0.0):
+            nw.feed(c)
+    nw.feed({"kind": "step", "rank": 0, "step": 0, "start": 99.0, "end": 101.0})
+    w = nw.window()
+    assert not w.digests and not [r for r in w.records if r["kind"] == "step"]
+    nw.feed({"kind": "step", "rank": 1, "step": 0, "start": 99.0, "end": 101.0})
+    w = nw.window()
+    assert [d.step for d in w.digests] == [0]
+    assert sorted(r["rank"] for r in w.records if r["kind"] == "step") == [0, 1]
+    # A record of a step already sent is late: dropped and counted.
+    nw.feed({"kind": "step", "rank": 1, "step": 0, "start": 99.0, "end": 101.0})
+    assert nw.late == 1
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
+def test_golden_capture_cut_by_host_gives_the_single_daemons_verdicts(path: Path) -> None:
+    recs = list(trace.read_trace(path))
+    single = Pipeline().feed_many(recs)
+    cluster = run_split(recs)
+    _same_within_a_step(single, cluster)
+    assert all(v["evidence"]["view"] == "cluster" for v in cluster)
+    # A link told from a node: the same scope and ends as the single daemon.
+    scope = [
+        (v["rank"], v.get("peer_rank")) for v in single if v["evidence"].get("scope") == "link"
+    ]
+    assert scope == [
+        (v["rank"], v.get("peer_rank")) for v in cluster if v["evidence"].get("scope") == "link"
+    ]
+
+
+def _suite() -> list[tuple[str, S.Scenario]]:
+    out = []
+    for i, fault in enumerate(
+        [
+            S.SlowCompute(rank=3, factor=1.6, start=12, end=30),
+            S.SlowNetwork(rank=5, factor=3.0, start=12, end=30),
+            S.SlowLink(a=2, b=3, factor=4.0, start=12, end=30),
+            S.Lost(rank=6, step=14),
+            S.Hang(rank=1, step=14),
+            None,
+        ]
+    ):
+        for per_host in (1, 2, 4):
+            scn = S.Scenario(ranks=8, steps=30, seed=i, ranks_per_host=per_host, duplex=True)
+            if fault is not None:
+                scn = dataclasses.replace(scn, faults=(fault,))
+            out.append((f"{type(fault).__name__}-{per_host}", scn))
+    return out
+
+
+@pytest.mark.parametrize("scn", [s for _, s in _suite()], ids=[n for n, _ in _suite()])
+def test_synthetic_job_cut_by_host_gives_the_single_daemons_verdicts(scn: S.Scenario) -> None:
+    recs, _ = S.generate(scn)
+    single = Pipeline().feed_many(recs)
+    _same_within_a_step(single, run_split(recs))
+    if scn.faults:
+        assert _flags(single), "the fault was not found at all: the comparison says nothing"
+
+
+def test_a_dark_nodes_ranks_are_not_called_lost() -> None:
+    recs, _ = S.generate(S.Scenario(ranks=4, steps=120, seed=3))
+    assert not Pipeline().feed_many(recs)  # a clean job
+    cut = next(r["end"] for r in recs if r.get("kind") == "step" and r["step"] == 20)
+    # Rank 3's node daemon stops publishing at ``cut``; its rank goes on, unseen.
+    nodes: dict[str, NodeWindows] = {}
+    det = LeaderDetector()
+    out: list[dict] = []
+    due = None
+    dark: str | None = None
+    for hosts, r in split_by_host(recs):
+        for h in hosts:
+            nodes.setdefault(h, NodeWindows(h)).feed(r)
+        if r.get("kind") == "rank" and r["rank"] == 3:
+            dark = r["host"]
+        now = max(nw.now for nw in nodes.values())
+        due = now + 0.5 if due is None else due
+        if now >= due:
+            windows = [nw.window() for h, nw in nodes.items() if h != dark or now < cut]
+            if now >= cut and dark is not None:
+                det.set_dark([dark])
+            out.extend(det.ingest(windows))
+            due = now + 0.5
+    silence = LostConfig().lost_silence_s
+    assert now > cut + 2 * silence  # long past the silence that calls a rank lost
+    assert not [v for v in out if v["state"] == "flagged"], out
+    assert det.pipeline.stats["steps"] >= 110  # the other ranks' steps were judged
+    # The single daemon, its records cut the same way, does call it lost:
+    # what keeps the leader quiet is knowing the daemon, not the rank, went.
+    host = {r["rank"]: r["host"] for r in recs if r.get("kind") == "rank"}[3]
+    gone = [r for r in recs if not (r.get("rank") == 3 and r.get("kind") in ("coll", "step")
+            and trace.record_time(r) > cut) and not (r.get("host") == host and r.get("kind")
+            == "flow" and r["t"] > cut)]  # fmt: skip
+    assert "rank_lost" in {v["cause"] for v in Pipeline().feed_many(gone)}
+
+
+def test_election_rank_zeros_node_leads_then_the_next_by_lowest_rank() -> None:
+    roster = [(4, "b"), (0, "a"), (8, "c")]
+    assert leader_of(roster, []) == "a"
+    assert leader_of(roster, ["a"]) == "b"
+    assert leader_of(roster, ["a", "b", "c"]) is None
+    live = Liveness(miss=2)
+    assert live.observe({"a": 0, "b": 0}) == frozenset()
+    assert live.observe({"a": 0, "b": 1}) == frozenset()
+    assert live.observe({"a": 0, "b": 2}) == frozenset({"a"})  # two windows without a beat
+    assert live.observe({"a": 1, "b": 3}) == frozenset()  # back
+
+
+def test_a_window_that_is_not_one_is_a_clear_error() -> None:
+    for bad in (b"", b"[]", b'{"node": 1}', b"\xff"):
+        with pytest.raises(ValueError, match="not a cluster window"):
+            CS.decode(bad)
+
+
+def test_rank_records_name_the_jobs_store_from_torchruns_environment() -> None:
+    from fsdp_sentinel.hooks import store_address
+
+    assert store_address({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}) == "10.0.0.1:29500"
+    assert store_address({"MASTER_ADDR": "fd00::1", "MASTER_PORT": "29500"}) == "[fd00::1]:29500"
+    assert store_address({"MASTER_ADDR": "10.0.0.1"}) == ""
+    assert store_address({"MASTER_ADDR": "h", "MASTER_PORT": "x"}) == ""
