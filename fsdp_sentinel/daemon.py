@@ -80,7 +80,8 @@ class ProbeSource(Protocol):
 
 
 class PipelineLike(Protocol):
-    """What the daemon needs of :class:`fsdp_sentinel.pipeline.Pipeline`."""
+    """What the daemon needs of :class:`fsdp_sentinel.jobs.JobRouter` (or one
+    :class:`fsdp_sentinel.pipeline.Pipeline`)."""
 
     def feed(self, rec: Record) -> Sequence[Record]: ...
     def snapshot(self) -> Snapshot: ...
@@ -131,14 +132,15 @@ def default_probes(interval: float, host: str) -> ProbeSource:
 
 
 def default_pipeline(config_path: str | None) -> PipelineLike:
-    from fsdp_sentinel.pipeline import Pipeline
+    """One pipeline per job (:class:`fsdp_sentinel.jobs.JobRouter`): a daemon outlives its jobs."""
+    from fsdp_sentinel.jobs import JobRouter
 
     config = None
     if config_path:
         from fsdp_sentinel.detect import DetectConfig
 
         config = DetectConfig.from_file(config_path)
-    pipeline: PipelineLike = Pipeline(config)
+    pipeline: PipelineLike = JobRouter(config)
     return pipeline
 
 
@@ -336,7 +338,8 @@ class Daemon:
         kind = rec["kind"]
         self.counts[kind] += 1
         if kind == "rank":
-            self._register(rec.get("pid"))
+            # The probes key on host tgids: the kernel's pid for the sender.
+            self._register(rec.get("host_pid", rec.get("pid")))
         if self._trace is not None:
             self._trace.write(rec)
         if self._observe is not None:
