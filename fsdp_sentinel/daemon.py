@@ -159,6 +159,9 @@ class DaemonConfig:
     queue_max: int = 200_000
     #: How often registered pids are checked for having exited.
     pid_check_interval: float = 5.0
+    #: Take a rank record's pid as sent (``--trust-record-pid``: a relay, a
+    #: replayed stream); by default the kernel's pid for the sender decides.
+    trust_record_pid: bool = False
 
 
 _WAKE: Record = {"kind": "_wake"}  # a queue item that only wakes the loop
@@ -233,7 +236,9 @@ class Daemon:
                     log.warning("probe %s not attached: %s", name, why)
             else:
                 log.warning("running without probes (--no-probes): no flow figures")
-            self.ingest = IngestServer(cfg.socket_path, self._enqueue).start()
+            self.ingest = IngestServer(
+                cfg.socket_path, self._enqueue, trust_pid=cfg.trust_record_pid
+            ).start()
             log.info(
                 "listening on %s (receive buffer %d KiB)",
                 cfg.socket_path,
@@ -563,6 +568,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MBIT",
         help="the link rate when neither a shaper on the device nor sysfs gives it",
     )
+    parser.add_argument(
+        "--trust-record-pid",
+        action="store_true",
+        help="take a rank record's pid as sent, not the kernel's pid for its sender "
+        "(a relay or a replayed stream sends for ranks it is not)",
+    )
     parser.add_argument("--live", action="store_true", help="show the live per-rank table")
     parser.add_argument(
         "--interval",
@@ -651,6 +662,7 @@ def main(args: argparse.Namespace) -> int:
         verdicts_out=args.verdicts_out,
         metrics_addr=args.metrics_addr,
         interval=args.interval,
+        trust_record_pid=args.trust_record_pid,
     )
     daemon = Daemon(config, pipeline=pipeline, remediator=remediator, host=host)
     previous = _install_signals(daemon)
