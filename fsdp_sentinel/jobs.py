@@ -174,34 +174,34 @@ class JobRouter:
         if pid is None and kind in PID_KINDS:
             pid = rec.get(_PID)
         job = self._by_pid.get(pid) if pid is not None else None
-        if job is None and kind not in PID_KINDS:
-            rank = rec.get(_RANK)
-            if rank is not None:
-                job = self._by_rank.get(rank)
-                if job is None:
-                    job = self._stray(pid, rec)
         if job is None:
-            if kind not in PID_KINDS and rec.get(_RANK) is not None:
-                return _NOTHING  # a stale attempt's record, counted
-            return self._broadcast(rec, kind)
+            rank = rec.get(_RANK)
+            if pid is not None and pid in self._stale:
+                job = self._back(pid)
+                if job is None:
+                    return _NOTHING  # a replaced attempt's process: counted
+            elif kind not in PID_KINDS and rank is not None:
+                # No process to go by (a trace from before host_pid), or one
+                # that never announced itself: the job that announced the rank
+                # last, else (a trace cut at the start) the job with no id.
+                job = self._by_rank.get(rank) or self._job_for("", rec, None)
+            else:
+                return self._broadcast(rec, kind)
         pipe = job.pipeline
         out = pipe.feed(rec)
         job.heard_t = self.now
         return self._stamp(job, out) if out else _NOTHING
 
-    def _stray(self, pid: Any, rec: Record) -> Job | None:
-        """The job of a rank's record that no live job claims: a retired job's
-        process heard again (the job comes back: it was only quiet, a long
-        checkpoint), a stale one (dropped: another attempt took its place), or
-        one before any rank record (a trace cut at the start): the job with no id."""
-        old = self._stale.get(pid) if pid is not None else None
-        if old is not None:
-            if old.job in self.jobs:
-                self.stale += 1
-                return None
-            self._revive(old)
-            return old
-        return self._job_for("", rec, None)
+    def _back(self, pid: Any) -> Job | None:
+        """A retired attempt's process heard again: the job was only quiet (a long
+        checkpoint) and comes back, unless another attempt took its place (then
+        None: the record is stale, and counted)."""
+        old = self._stale[pid]
+        if old.job in self.jobs:
+            self.stale += 1
+            return None
+        self._revive(old)
+        return old
 
     def feed_many(self, recs: Iterable[Record]) -> list[Record]:
         return feed_all(self.feed, recs)
