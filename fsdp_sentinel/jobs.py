@@ -73,7 +73,7 @@ RETIRED_KEPT = 64
 _NOTHING: tuple[Record, ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One attempt of one job and the pipeline judging it (the router's bookkeeping)."""
 
@@ -92,6 +92,11 @@ class Job:
     shared: dict[str, int] = field(default_factory=dict)
     verdicts: int = 0
     retired_t: float | None = None
+    #: ``pipeline.feed``, bound once (the router's hot path calls it per record).
+    feed: Callable[[Record], Sequence[Record]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.feed = self.pipeline.feed
 
 
 @dataclass(frozen=True)
@@ -167,10 +172,20 @@ class JobRouter:
     def feed(self, rec: Record) -> Sequence[Record]:
         """Route one record; return the verdict records it caused (usually none)."""
         self.records += 1
+        pid = rec.get(_HOST_PID)
+        if pid is not None:
+            # The hot path (every record from the ingest socket but rank ones).
+            job = self._by_pid.get(pid)
+            if job is not None and rec.get(_KIND) != "rank":
+                out = job.feed(rec)
+                job.heard_t = self.now
+                return self._stamp(job, out) if out else _NOTHING
+        return self._route(rec, pid)
+
+    def _route(self, rec: Record, pid: Any) -> Sequence[Record]:
         kind = rec.get(_KIND)
         if kind == "rank":
             return self._on_rank(rec)
-        pid = rec.get(_HOST_PID)
         if pid is None and kind in PID_KINDS:
             pid = rec.get(_PID)
         job = self._by_pid.get(pid) if pid is not None else None
@@ -187,10 +202,7 @@ class JobRouter:
                 job = self._by_rank.get(rank) or self._job_for("", rec, None)
             else:
                 return self._broadcast(rec, kind)
-        pipe = job.pipeline
-        out = pipe.feed(rec)
-        job.heard_t = self.now
-        return self._stamp(job, out) if out else _NOTHING
+        return self._feed_one(job, rec)
 
     def _back(self, pid: Any) -> Job | None:
         """A retired attempt's process heard again: the job was only quiet (a long
@@ -207,8 +219,7 @@ class JobRouter:
         return feed_all(self.feed, recs)
 
     def _feed_one(self, job: Job, rec: Record) -> Sequence[Record]:
-        pipe = job.pipeline
-        out = pipe.feed(rec)
+        out = job.feed(rec)
         job.heard_t = self.now
         return self._stamp(job, out) if out else _NOTHING
 
@@ -395,7 +406,12 @@ class JobRouter:
             for j, s in snaps
             for r in s.ranks
         )
-        peers = tuple(dataclasses.replace(p, job=j.job) for j, s in snaps for p in s.peers)
+        # The pipeline names each peer's job already (its ranks'); replace is slow.
+        peers = tuple(
+            p if p.job == j.job else dataclasses.replace(p, job=j.job)
+            for j, s in snaps
+            for p in s.peers
+        )
         nccl = tuple(dataclasses.replace(n, job=j.job) for j, s in snaps for n in s.nccl)
         newest = snaps[-1][1] if snaps else Snapshot()
         return Snapshot(

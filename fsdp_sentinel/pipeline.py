@@ -194,6 +194,7 @@ class Pipeline:
                     rx_bytes_total=pair.rx_total,
                     srtt_us=pair.srtt_us,
                     retrans_total=pair.retrans_total,
+                    job=corr.ranks[a].job if a in corr.ranks else "",
                 )
             )
         ranks: list[RankView] = []
