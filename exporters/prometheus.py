@@ -128,8 +128,9 @@ def _rank_labels(r: RankView) -> list[str]:
 
 def families(snap: Snapshot) -> Iterator[Metric]:
     """The metric families for one snapshot (pure; used by the collector)."""
-    ranks = sorted(snap.ranks, key=lambda r: r.rank)
-    labels = {r.rank: _rank_labels(r) for r in ranks}
+    # Keyed by (job, rank): a node daemon judges several jobs, each with its rank 0.
+    ranks = sorted(snap.ranks, key=lambda r: (r.job, r.rank))
+    labels = {(r.job, r.rank): _rank_labels(r) for r in ranks}
     yield from _step_families(ranks, labels)
     yield from _verdict_families(ranks, labels, snap)
     yield from _network_families(ranks, labels, snap)
@@ -137,7 +138,9 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     yield from _daemon_families(snap)
 
 
-def _step_families(ranks: list[RankView], labels: dict[int, list[str]]) -> Iterator[Metric]:
+def _step_families(
+    ranks: list[RankView], labels: dict[tuple[str, int], list[str]]
+) -> Iterator[Metric]:
     newest = _gauge("step", "Number of the rank's newest summarised step.", RANK_LABELS)
     steps = _histogram(
         "step_duration_seconds", "Duration of the rank's optimizer steps.", RANK_LABELS
@@ -164,7 +167,7 @@ def _step_families(ranks: list[RankView], labels: dict[int, list[str]]) -> Itera
         "collective_bytes_total", "Bytes of the rank's collectives, by op.", coll_labels, "bytes"
     )
     for r in ranks:
-        lab = labels[r.rank]
+        lab = labels[r.job, r.rank]
         if r.step is not None:
             newest.add_metric(lab, float(r.step))
         if len(r.step_buckets) == len(_STEP_LE):
@@ -181,7 +184,7 @@ def _step_families(ranks: list[RankView], labels: dict[int, list[str]]) -> Itera
 
 
 def _verdict_families(
-    ranks: list[RankView], labels: dict[int, list[str]], snap: Snapshot
+    ranks: list[RankView], labels: dict[tuple[str, int], list[str]], snap: Snapshot
 ) -> Iterator[Metric]:
     straggler = _gauge(
         "straggler",
@@ -207,7 +210,7 @@ def _verdict_families(
         "seconds",
     )
     for r in ranks:
-        lab = labels[r.rank]
+        lab = labels[r.job, r.rank]
         for cause in CAUSES:
             on = r.state != "ok" and r.cause == cause
             straggler.add_metric([*lab, cause], 1.0 if on else 0.0)
@@ -231,7 +234,7 @@ def _verdict_families(
 
 
 def _network_families(
-    ranks: list[RankView], labels: dict[int, list[str]], snap: Snapshot
+    ranks: list[RankView], labels: dict[tuple[str, int], list[str]], snap: Snapshot
 ) -> Iterator[Metric]:
     srtt = _gauge(
         "srtt_seconds",
@@ -249,7 +252,7 @@ def _network_families(
         "bytes",
     )
     for r in ranks:
-        lab = labels[r.rank]
+        lab = labels[r.job, r.rank]
         if r.srtt_us is not None:
             srtt.add_metric(lab, r.srtt_us / 1e6)
         retrans.add_metric(lab, float(r.retrans_total))
@@ -273,8 +276,10 @@ def _network_families(
     flow_retrans = _counter(
         "flow_retransmits_total", "Segments rank retransmitted to a peer.", peer_labels
     )
-    for p in sorted(snap.peers, key=lambda p: (p.rank, p.peer_rank)):
-        lab = [*labels.get(p.rank, ["", str(p.rank), ""]), str(p.peer_rank)]
+    rank_job = _rank_jobs(labels)
+    for p in sorted(snap.peers, key=lambda p: (p.job, p.rank, p.peer_rank)):
+        job = p.job or rank_job.get(p.rank, "")
+        lab = [*labels.get((job, p.rank), [job, str(p.rank), ""]), str(p.peer_rank)]
         flow_bytes.add_metric([*lab, "tx"], float(p.tx_bytes_total))
         flow_bytes.add_metric([*lab, "rx"], float(p.rx_bytes_total))
         if p.srtt_us is not None:
@@ -283,7 +288,13 @@ def _network_families(
     yield from (flow_bytes, flow_srtt, flow_retrans)
 
 
-def _fabric_families(labels: dict[int, list[str]], snap: Snapshot) -> Iterator[Metric]:
+def _rank_jobs(labels: dict[tuple[str, int], list[str]]) -> dict[int | None, str]:
+    """rank -> its job, for views a bare pipeline's snapshot leaves without one
+    (``PeerView.job``, ``NcclView.job`` are filled by :class:`~fsdp_sentinel.jobs.JobRouter`)."""
+    return {r: job for job, r in labels}
+
+
+def _fabric_families(labels: dict[tuple[str, int], list[str]], snap: Snapshot) -> Iterator[Metric]:
     port_labels = ["host", "dev", "rdma_port"]
     rdma_bytes = _counter(
         "rdma_port_bytes_total",
@@ -312,10 +323,10 @@ def _fabric_families(labels: dict[int, list[str]], snap: Snapshot) -> Iterator[M
         nccl_labels,
         "bytes",
     )
+    rank_job = _rank_jobs(labels)
     for nv in snap.nccl:
         rank = "" if nv.rank is None else str(nv.rank)
-        job = labels[nv.rank][0] if nv.rank in labels else ""
-        lab = [job, rank, nv.host, nv.op]
+        lab = [nv.job or rank_job.get(nv.rank, ""), rank, nv.host, nv.op]
         calls.add_metric(lab, float(nv.calls_total))
         nbytes.add_metric(lab, float(nv.bytes_total))
     yield from (calls, nbytes)
@@ -364,9 +375,16 @@ def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
         run_s.add_metric([prog.program], prog.run_ns_total / 1e9)
     yield from (runs, run_s)
 
-    if snap.world_size is not None:
-        ws = _gauge("world_size", "Ranks in the job, as the ranks announced it.", [])
-        ws.add_metric([], float(snap.world_size))
+    # One sample per live job (fsdp_sentinel.jobs); a bare pipeline's snapshot has one.
+    bare = {r.job for r in snap.ranks}
+    sizes = [(j.job, j.world_size) for j in snap.jobs] or [
+        (bare.pop() if len(bare) == 1 else "", snap.world_size)
+    ]
+    if any(n is not None for _, n in sizes):
+        ws = _gauge("world_size", "Ranks in the job, as the ranks announced it.", ["job"])
+        for job, n in sizes:
+            if n is not None:
+                ws.add_metric([job], float(n))
         yield ws
     newest = _gauge(
         "last_record_timestamp_seconds",

@@ -507,9 +507,13 @@ class Correlator:
         if t > rs.last_t:
             rs.last_t = t
         self.world_size = int(rec["world_size"])
-        self._pid_rank[(rs.host, rs.pid)] = rank
-        prev = self._pid_only.get(rs.pid, rank)
-        self._pid_only[rs.pid] = rank if prev == rank else None
+        # Probes key flows on the host's tgid: the kernel's pid for the sender
+        # (``host_pid``, from the ingest socket) where the rank's own view
+        # (``pid``) is a container's.
+        key = int(rec.get("host_pid", rs.pid))
+        self._pid_rank[(rs.host, key)] = rank
+        prev = self._pid_only.get(key, rank)
+        self._pid_only[key] = rank if prev == rank else None
         for a in rs.addrs:
             prev = self._addr_rank.get(a, rank)
             self._addr_rank[a] = rank if prev == rank else None

@@ -80,7 +80,8 @@ class ProbeSource(Protocol):
 
 
 class PipelineLike(Protocol):
-    """What the daemon needs of :class:`fsdp_sentinel.pipeline.Pipeline`."""
+    """What the daemon needs of :class:`fsdp_sentinel.jobs.JobRouter` (or one
+    :class:`fsdp_sentinel.pipeline.Pipeline`)."""
 
     def feed(self, rec: Record) -> Sequence[Record]: ...
     def snapshot(self) -> Snapshot: ...
@@ -131,14 +132,15 @@ def default_probes(interval: float, host: str) -> ProbeSource:
 
 
 def default_pipeline(config_path: str | None) -> PipelineLike:
-    from fsdp_sentinel.pipeline import Pipeline
+    """One pipeline per job (:class:`fsdp_sentinel.jobs.JobRouter`): a daemon outlives its jobs."""
+    from fsdp_sentinel.jobs import JobRouter
 
     config = None
     if config_path:
         from fsdp_sentinel.detect import DetectConfig
 
         config = DetectConfig.from_file(config_path)
-    pipeline: PipelineLike = Pipeline(config)
+    pipeline: PipelineLike = JobRouter(config)
     return pipeline
 
 
@@ -157,6 +159,9 @@ class DaemonConfig:
     queue_max: int = 200_000
     #: How often registered pids are checked for having exited.
     pid_check_interval: float = 5.0
+    #: Take a rank record's pid as sent (``--trust-record-pid``: a relay, a
+    #: replayed stream); by default the kernel's pid for the sender decides.
+    trust_record_pid: bool = False
 
 
 _WAKE: Record = {"kind": "_wake"}  # a queue item that only wakes the loop
@@ -231,7 +236,9 @@ class Daemon:
                     log.warning("probe %s not attached: %s", name, why)
             else:
                 log.warning("running without probes (--no-probes): no flow figures")
-            self.ingest = IngestServer(cfg.socket_path, self._enqueue).start()
+            self.ingest = IngestServer(
+                cfg.socket_path, self._enqueue, trust_pid=cfg.trust_record_pid
+            ).start()
             log.info(
                 "listening on %s (receive buffer %d KiB)",
                 cfg.socket_path,
@@ -336,7 +343,8 @@ class Daemon:
         kind = rec["kind"]
         self.counts[kind] += 1
         if kind == "rank":
-            self._register(rec.get("pid"))
+            # The probes key on host tgids: the kernel's pid for the sender.
+            self._register(rec.get("host_pid", rec.get("pid")))
         if self._trace is not None:
             self._trace.write(rec)
         if self._observe is not None:
@@ -560,6 +568,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MBIT",
         help="the link rate when neither a shaper on the device nor sysfs gives it",
     )
+    parser.add_argument(
+        "--trust-record-pid",
+        action="store_true",
+        help="take a rank record's pid as sent, not the kernel's pid for its sender "
+        "(a relay or a replayed stream sends for ranks it is not)",
+    )
     parser.add_argument("--live", action="store_true", help="show the live per-rank table")
     parser.add_argument(
         "--cluster",
@@ -654,6 +668,7 @@ def main(args: argparse.Namespace) -> int:
         verdicts_out=args.verdicts_out,
         metrics_addr=args.metrics_addr,
         interval=args.interval,
+        trust_record_pid=args.trust_record_pid,
     )
     if args.cluster:
         # One daemon per node; the job's own store joins them (docs/cluster.md).

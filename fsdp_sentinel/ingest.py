@@ -9,6 +9,15 @@ thread carries on.
 
 A path socket lives in the file system, not in a network namespace, so ranks
 in other network namespaces of the same machine reach it through the path.
+The sender's pid comes from the kernel, not from the record: the socket has
+``SO_PASSCRED`` on, so every datagram arrives with the sender's
+``SCM_CREDENTIALS``, its pid already translated into the daemon's pid
+namespace (a rank in a container without the host's pid namespace knows
+itself by another pid than the one the probes key on). The server stamps it
+on every record as ``host_pid``; a ``rank`` record whose ``pid`` is neither
+that pid nor one of the sender's own pids in a child namespace (the ``NSpid``
+line of ``/proc/<pid>/status``) is refused and counted (``pid_not_sender``).
+
 The receive buffer (``SO_RCVBUF``) and the datagram queue length (Linux's
 ``net.unix.max_dgram_qlen``, 10 by default) are enlarged so a burst from
 several ranks waits in the kernel instead of being refused to the senders,
@@ -26,6 +35,7 @@ import os
 import select
 import socket
 import stat
+import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -68,10 +78,47 @@ BAD_VALUE = "bad_value"  # a field of the wrong type or out of range (trace.bad_
 TOO_LARGE = "too_large"
 RESERVED = "reserved_kind"
 REFUSED = "refused"  # on_record returned False (e.g. the daemon's queue is full)
+NOT_SENDER = "pid_not_sender"  # a rank record announcing a pid that is not the sender's
 
 #: Reasons that mean the datagram itself was malformed (vs. refused downstream).
 MALFORMED_REASONS = frozenset({BAD_JSON, NOT_OBJECT, NO_KIND, MISSING_FIELD, BAD_VALUE, TOO_LARGE})
-ALL_REASONS = (*sorted(MALFORMED_REASONS), RESERVED, REFUSED)
+ALL_REASONS = (*sorted(MALFORMED_REASONS), RESERVED, REFUSED, NOT_SENDER)
+
+#: ``struct ucred`` (pid, uid, gid) of an ``SCM_CREDENTIALS`` message.
+_UCRED = struct.Struct("=iII")
+SO_PASSCRED = getattr(socket, "SO_PASSCRED", 16)  # Linux values
+SCM_CREDENTIALS = getattr(socket, "SCM_CREDENTIALS", 2)
+_ANCBUF = socket.CMSG_SPACE(_UCRED.size)
+
+
+def sender_pid(ancdata: list[tuple[int, int, bytes]]) -> int | None:
+    """The sender's pid from a datagram's ``SCM_CREDENTIALS`` (None without one)."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            pid = _UCRED.unpack_from(data)[0]
+            return pid if pid > 0 else None
+    return None
+
+
+def ns_pids(pid: int, proc_root: str = "/proc") -> tuple[int, ...]:
+    """Process ``pid``'s pids in every pid namespace it is in, outermost first
+    (the ``NSpid`` line of its status; ``(pid,)`` where the kernel has none, ``()`` if gone)."""
+    try:
+        with open(f"{proc_root}/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return tuple(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        return ()
+    return (pid,)
+
+
+def is_sender(announced: object, kernel_pid: int, proc_root: str = "/proc") -> bool:
+    """Whether a rank announcing ``announced`` as its pid is the process that sent it:
+    the same pid, or the sender's own pid in a child pid namespace (a container)."""
+    if announced == kernel_pid:
+        return True
+    return type(announced) is int and announced in ns_pids(kernel_pid, proc_root)[1:]
 
 
 def parse_datagram(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
@@ -182,9 +229,15 @@ class IngestServer:
         backlog: int = DEFAULT_BACKLOG,
         socket_mode: int = 0o660,
         qlen_sysctl: str = QLEN_SYSCTL,
+        proc_root: str = "/proc",
+        trust_pid: bool = False,
     ) -> None:
         self.path = Path(path)
         self._on_record = on_record
+        self._proc_root = proc_root
+        # A relay or a recorded stream replayed into the socket sends for ranks
+        # it is not: then records are taken as sent (no check, no host_pid).
+        self._trust_pid = trust_pid
         self.received = 0
         self.accepted = 0
         # Every reason is present from the start, so the dict never changes
@@ -196,6 +249,7 @@ class IngestServer:
         self.backlog = granted
         try:
             self._set_rcvbuf(rcvbuf)
+            self._sock.setsockopt(socket.SOL_SOCKET, SO_PASSCRED, 1)
             self._sock.bind(str(self.path))
             os.chmod(self.path, socket_mode)
             self._inode = os.stat(self.path).st_ino
@@ -241,7 +295,7 @@ class IngestServer:
             # also delivers what was sent before close() was called.
             while True:
                 try:
-                    n, _, mflags, _ = sock.recvmsg_into([view], 0, flags)
+                    n, anc, mflags, _ = sock.recvmsg_into([view], _ANCBUF, flags)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as e:
@@ -260,12 +314,29 @@ class IngestServer:
                         log.warning("ingest: dropping datagram (%s); further ones counted", why)
                     self.dropped[why] += 1
                     continue
+                if not self._trust_pid and not self._credit(rec, sender_pid(anc)):
+                    continue
                 if self._on_record(rec) is False:
                     self.dropped[REFUSED] += 1
                     continue
                 self.accepted += 1
             if wake in ready:
                 return
+
+    def _credit(self, rec: dict[str, Any], pid: int | None) -> bool:
+        """Stamp the kernel's pid for the sender on ``rec`` (``host_pid``, replacing
+        any the sender wrote); refuse a ``rank`` record announcing another process."""
+        if pid is None:
+            rec.pop("host_pid", None)  # only the kernel may say it
+            return True
+        if rec["kind"] == "rank" and not is_sender(rec["pid"], pid, self._proc_root):
+            if not self.dropped[NOT_SENDER]:
+                log.warning("ingest: a rank record's pid %r is not its sender's (%d); "
+                            "further ones counted", rec["pid"], pid)  # fmt: skip
+            self.dropped[NOT_SENDER] += 1
+            return False
+        rec["host_pid"] = pid
+        return True
 
     def close(self) -> None:
         """Stop the thread, close the socket and remove its file (if still ours)."""

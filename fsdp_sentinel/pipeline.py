@@ -46,6 +46,16 @@ PASSIVE_KINDS = frozenset({"header", "verdict", "action", "fault"})
 _NOTHING: tuple[Record, ...] = ()
 
 
+def feed_all(feed: Callable[[Record], Sequence[Record]], recs: Any) -> list[Record]:
+    """Every verdict record ``feed`` returns for ``recs``, in order."""
+    out: list[Record] = []
+    for rec in recs:
+        v = feed(rec)
+        if v:
+            out.extend(v)
+    return out
+
+
 class Observer(Protocol):
     """What a consumer that draws the pipeline's own figures (the HTML report) is told.
 
@@ -141,12 +151,7 @@ class Pipeline:
             return []
 
     def feed_many(self, recs: Any) -> list[Record]:
-        out: list[Record] = []
-        for rec in recs:
-            v = self.feed(rec)
-            if v:
-                out.extend(v)
-        return out
+        return feed_all(self.feed, recs)
 
     def set_config(self, config: DetectConfig) -> None:
         """Use new thresholds from the next summary on (history is kept)."""
@@ -189,6 +194,7 @@ class Pipeline:
                     rx_bytes_total=pair.rx_total,
                     srtt_us=pair.srtt_us,
                     retrans_total=pair.retrans_total,
+                    job=corr.ranks[a].job if a in corr.ranks else "",
                 )
             )
         ranks: list[RankView] = []

@@ -1,8 +1,10 @@
 """``fsdp-sentinel replay``: run the daemon's detection pipeline over trace files.
 
 Merges one or more trace files (one per rank or per host; ``.zst`` or plain)
-by record time, feeds them to the very :class:`~fsdp_sentinel.pipeline.Pipeline`
-the live daemon runs, and prints a summary of the verdicts. ``verdict`` and
+by record time, feeds them to the very :class:`~fsdp_sentinel.jobs.JobRouter`
+the live daemon runs (one :class:`~fsdp_sentinel.pipeline.Pipeline` per job, so
+a trace holding several jobs, one after another or at once, has each judged
+on its own), and prints a summary of the jobs and their verdicts. ``verdict`` and
 ``action`` records already in the input are skipped, so replaying a live
 capture gives back the verdicts the daemon recorded in it. On a terminal, an
 input of a few MB or more shows a progress line on stderr (records/s, ETA).
@@ -16,11 +18,11 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fsdp_sentinel import trace
 from fsdp_sentinel.detect import DetectConfig
-from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.jobs import JobRouter, JobSummary
 from fsdp_sentinel.progress import ProgressLine, counted, wanted
 
 HELP = "run the detection pipeline over trace files and print its verdicts"
@@ -37,18 +39,25 @@ EPILOG = """examples:
 Record = dict[str, Any]
 
 
+class Feeder(Protocol):
+    """What replay feeds: a :class:`JobRouter`, or one :class:`Pipeline` (one job)."""
+
+    def feed(self, rec: Record) -> Sequence[Record]: ...
+
+
 def replay_paths(
     paths: Sequence[str | Path],
     config: DetectConfig | None = None,
     strict: bool = True,
-    pipeline: Pipeline | None = None,
+    pipeline: Feeder | None = None,
 ) -> Iterator[Record]:
-    """Verdict records from replaying ``paths`` (merged by time) through a Pipeline.
+    """Verdict records from replaying ``paths`` (merged by time) through a JobRouter.
 
     ``strict=False`` skips malformed lines (counted by each reader). Pass
-    ``pipeline`` to read its stats or snapshot afterwards.
+    ``pipeline`` (a router, or one Pipeline to judge everything as one job)
+    to read its stats or snapshot afterwards.
     """
-    pipe = pipeline if pipeline is not None else Pipeline(config)
+    pipe = pipeline if pipeline is not None else JobRouter(config)
     return replay_readers([trace.TraceReader(p, strict=strict) for p in paths], pipe)
 
 
@@ -61,7 +70,7 @@ def progress_bar(readers: Sequence[trace.TraceReader]) -> ProgressLine | None:
 
 
 def replay_readers(
-    readers: Sequence[trace.TraceReader], pipe: Pipeline, bar: ProgressLine | None = None
+    readers: Sequence[trace.TraceReader], pipe: Feeder, bar: ProgressLine | None = None
 ) -> Iterator[Record]:
     """Verdict records from feeding the merged ``readers`` to ``pipe`` (``bar``: progress)."""
     # The pipeline ignores header, verdict and action records by itself, so a
@@ -105,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fmt(v: Record) -> str:
     peer = f" peer={v['peer_rank']}" if "peer_rank" in v else ""
     host = f" host={v['host']}" if v.get("host") else ""
+    host += f" job={v['job']}" if v.get("job") else ""
     ev = v.get("evidence") or {}
     unsure = "  (unsure)" if "unsure" in ev else ""
     return (
@@ -123,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"fsdp-sentinel replay: error: {e}", file=sys.stderr)
         return 2
-    pipe = Pipeline(config)
+    pipe = JobRouter(config)
     readers = [
         trace.TraceReader(p, strict=not args.lenient, trust_marks=not args.check_all)
         for p in args.traces
@@ -145,12 +155,19 @@ def main(args: argparse.Namespace) -> int:
             writer.close()
     if not args.json:
         st = pipe.stats
+        jobs = pipe.summaries()
         print(
             f"{st['records']} records, {st['steps']} steps, "
-            f"{len(pipe.corr.ranks)} ranks, {len(verdicts)} verdicts"
+            f"{sum(j.ranks for j in jobs)} ranks, {len(verdicts)} verdicts"
             + (f", {st['malformed']} malformed" if st["malformed"] else "")
             + (f", {st['late']} late" if st["late"] else "")
+            + (f", {st['stale']} stale" if st["stale"] else "")
         )
+        if len(jobs) > 1 or any(j.job for j in jobs):
+            print(f"{len(jobs)} job(s), each judged on its own:")
+            t0 = min(j.started_t for j in jobs)
+            for j in jobs:
+                print(_fmt_job(j, t0))
         for r in readers:
             if r.skipped:
                 print(
@@ -158,9 +175,25 @@ def main(args: argparse.Namespace) -> int:
                 )
         for v in verdicts:
             print(_fmt(v))
-        still = sorted(pipe.open.items())
+        still = [(j, r, c) for j in jobs for r, c in j.open]
         if still:
-            print("open at end: " + ", ".join(f"rank {r} ({v['cause']})" for r, v in still))
+            print(
+                "open at end: "
+                + ", ".join(f"rank {r} ({c})" + _job_tag(j, jobs) for j, r, c in still)
+            )
         elif not verdicts:
             print("no straggler found")
     return 0
+
+
+def _job_tag(j: JobSummary, jobs: Sequence[JobSummary]) -> str:
+    return f" of job {j.job or '(no id)'}#{j.attempt}" if len(jobs) > 1 else ""
+
+
+def _fmt_job(j: JobSummary, t0: float) -> str:
+    """One line per job (attempt): its size, what was judged, when it ran."""
+    end = f"retired at +{j.retired_t - t0:.1f} s" if j.retired_t is not None else "live at end"
+    return (
+        f"  job {j.job or '(no id)'} attempt {j.attempt}: {j.ranks} ranks, {j.steps} steps,"
+        f" {j.verdicts} verdicts; from +{j.started_t - t0:.1f} s, {end}"
+    )

@@ -75,6 +75,7 @@ class PeerView:
     rx_bytes_total: int = 0
     srtt_us: float | None = None
     retrans_total: int = 0
+    job: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,19 @@ class NcclView:
     op: str
     calls_total: int = 0
     bytes_total: int = 0
+    job: str = ""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One live job on the node (``fsdp_sentinel.jobs``): its id (``""``: the
+    ranks announced none), which attempt (1, then one more per elastic
+    restart), its world size and the ranks seen on this node."""
+
+    job: str
+    attempt: int = 1
+    world_size: int | None = None
+    ranks: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,7 @@ class Snapshot:
     rdma_ports: tuple[RdmaPortView, ...] = ()
     nccl: tuple[NcclView, ...] = ()
     remediation: tuple[RemediationView, ...] = ()
+    jobs: tuple[JobView, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -174,4 +189,5 @@ _NESTED: dict[str, type] = {
     "rdma_ports": RdmaPortView,
     "nccl": NcclView,
     "remediation": RemediationView,
+    "jobs": JobView,
 }

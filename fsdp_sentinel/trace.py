@@ -93,7 +93,7 @@ def _wire_keys(names: Iterable[str]) -> dict[str, str]:
 
 #: Every field name of the format, as the parser's key objects (see :func:`_wire_keys`).
 KEY: dict[str, str] = _wire_keys(
-    sorted({"kind", "group", "direction", *(f for fs in REQUIRED.values() for f in fs)})
+    sorted({"kind", "group", "direction", "host_pid", *(f for fs in REQUIRED.values() for f in fs)})
 )
 _KIND = KEY["kind"]
 _REQUIRED_SETS: dict[str, frozenset[str]] = {
@@ -139,7 +139,7 @@ MAX_ADDRS = 64
 # because replay runs it on every record and a loop of calls cost 3x more.
 # The field families, each with one rule (and one fast form, below).
 _TIME_FIELDS = ("t", "start", "end", "issue")
-_INT_FIELDS = ("rank", "step", "seq", "pid", "peer_rank", "port", "qp_num")
+_INT_FIELDS = ("rank", "step", "seq", "pid", "peer_rank", "port", "qp_num", "host_pid", "attempt")
 _COUNT_FIELDS = ("bytes", "tx_bytes", "rx_bytes", "calls", "retrans", "drops", "backlog")
 _STR_FIELDS = ("host", "op", "src", "dst", "dev", "what", "state", "cause", "job", "direction")
 _NUMBER = "(type(v) is float or type(v) is int)"
@@ -179,7 +179,7 @@ def _compile(fields: Iterable[str]) -> Callable[[Record], str | None]:
 
 #: Optional fields that known kinds carry (docs/trace-format.md), checked too.
 OPTIONAL: dict[str, tuple[str, ...]] = {
-    "rank": ("job",),
+    "rank": ("job", "host_pid", "attempt"),
     "coll": ("group", "group_size"),
     "pending": ("group",),
     "flow": ("srtt_us", "retrans", "cwnd", "rank", "peer_rank"),

@@ -30,11 +30,14 @@ Record = dict[str, Any]
 
 
 @pytest.fixture
-def start_daemon() -> Iterator[Callable[[list[str]], DaemonProcess]]:
+def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
     procs: list[DaemonProcess] = []
 
-    def start(argv: list[str]) -> DaemonProcess:
-        d = DaemonProcess(argv)
+    def start(argv: list[str], trust: bool = True) -> DaemonProcess:
+        # One test process sends every synthetic rank's records: it is none of
+        # the pids they announce, so the daemon is told to take them as sent
+        # (tests/test_ingest_credentials.py covers the default, strict check).
+        d = DaemonProcess(["--trust-record-pid", *argv] if trust else argv)
         procs.append(d)
         return d
 
@@ -142,7 +145,7 @@ def test_socket_reachable_from_another_network_namespace(start_daemon, tmp_path)
     sock = tmp_path / "run" / "ingest.sock"
     trace = tmp_path / "t.jsonl"
     d = start_daemon(["--no-probes", "--socket", str(sock), "--trace-out", str(trace),
-                      "--metrics-addr", "off"])  # fmt: skip
+                      "--metrics-addr", "off"], trust=False)  # fmt: skip
     d.wait_log(r"ready")
     rec = {"kind": "step", "rank": 0, "step": 0, "start": 1.0, "end": 2.0}
     code = (
@@ -160,7 +163,10 @@ def test_socket_reachable_from_another_network_namespace(start_daemon, tmp_path)
     while "step" not in trace.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.stop() == 0
-    assert [x for x in read_trace(trace) if x["kind"] == "step"] == [rec]
+    steps = [x for x in read_trace(trace) if x["kind"] == "step"]
+    # Stamped with the sender's pid as the kernel gave it (SCM_CREDENTIALS).
+    assert [{k: v for k, v in x.items() if k != "host_pid"} for x in steps] == [rec]
+    assert all(type(x.get("host_pid")) is int and x["host_pid"] > 0 for x in steps)
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:

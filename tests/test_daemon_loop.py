@@ -176,6 +176,8 @@ def running(paths) -> Iterator[Callable[..., Running]]:
             metrics_addr=None,
             interval=kw.pop("interval", 0.05),
             pid_check_interval=kw.pop("pid_check_interval", 5.0),
+            # This process sends for every synthetic rank (none of their pids).
+            trust_record_pid=True,
         )
         # The synthetic jobs' records carry times of 2023: the daemon's real
         # wall-clock heartbeat would move their stream clock years on. Tests

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.prometheus
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str, list[dict[str, Any]]]]:
     sock = tmp_path / "run" / "ingest.sock"
-    d = DaemonProcess(["--no-probes", "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
-                       "--interval", "0.2"])  # fmt: skip
+    d = DaemonProcess(["--no-probes", "--trust-record-pid", "--socket", str(sock),
+                       "--metrics-addr", "127.0.0.1:0", "--interval", "0.2"])  # fmt: skip
     try:
         url = d.wait_log(r"serving (http://127\.0\.0\.1:\d+)/metrics").group(1)
         d.wait_log("ready")

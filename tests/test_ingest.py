@@ -40,6 +40,11 @@ def server(sock_path: Path) -> Iterator[tuple[IngestServer, list[Record]]]:
         srv.close()
 
 
+def by_us(rec: Record) -> Record:
+    """``rec`` as the server hands it on: stamped with the kernel's pid for its sender."""
+    return {**rec, "host_pid": os.getpid()}
+
+
 @pytest.fixture
 def sender() -> Iterator[socket.socket]:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -55,7 +60,7 @@ def test_valid_records_arrive_in_order(server, sender, sock_path) -> None:
     for rec in sent:
         sender.sendto(json.dumps(rec).encode(), str(sock_path))
     wait_for(lambda: len(got) == len(sent))
-    assert got == sent
+    assert got == [by_us(r) for r in sent]
     assert srv.received == srv.accepted == len(sent)
     assert srv.dropped_total == 0
 
@@ -91,7 +96,7 @@ def test_malformed_datagrams_are_dropped_and_counted(server, sender, sock_path) 
         sender.sendto(d, str(sock_path))
     wait_for(lambda: srv.received == len(datagrams))
     wait_for(lambda: len(got) == 2)
-    assert got == [before, after]
+    assert got == [by_us(before), by_us(after)]
     assert {why: n for why, n in srv.dropped.items() if n} == {
         "invalid_json": 3,
         "not_object": 2,
@@ -108,7 +113,7 @@ def test_unknown_kinds_pass_through(server, sender, sock_path) -> None:
     _, got = server
     rec = {"kind": "future_thing", "x": 1}
     sender.sendto(json.dumps(rec).encode(), str(sock_path))
-    wait_for(lambda: got == [rec])
+    wait_for(lambda: got == [by_us(rec)])
 
 
 def test_oversize_datagram_is_dropped(server, sender, sock_path) -> None:
@@ -118,7 +123,7 @@ def test_oversize_datagram_is_dropped(server, sender, sock_path) -> None:
     sender.sendto(json.dumps(big).encode(), str(sock_path))
     sender.sendto(json.dumps(step(0, 0)).encode(), str(sock_path))
     wait_for(lambda: len(got) == 1)
-    assert got == [step(0, 0)]
+    assert got == [by_us(step(0, 0))]
     assert srv.dropped["too_large"] == 1
 
 

@@ -12,6 +12,7 @@ and the daemon goes on judging the job beside it.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -86,7 +87,7 @@ def test_the_receive_thread_survives_every_one_and_the_counts_add_up(tmp_path: P
         while not got and time.monotonic() < deadline:
             time.sleep(0.01)
         assert srv._thread is not None and srv._thread.is_alive()
-        assert got == [good]
+        assert got == [{**good, "host_pid": os.getpid()}]  # the kernel's word for the sender
         assert srv.received == len(HOSTILE) + 1
         assert srv.received == srv.accepted + srv.dropped_total
         assert srv.dropped[BAD_JSON] == sum(r == BAD_JSON for _, r in HOSTILE)
@@ -97,7 +98,7 @@ def test_the_daemon_with_a_full_disk_trace_still_flags_the_straggler(tmp_path: P
     # --trace-out on a full disk (/dev/full: every write ENOSPC), hostile
     # datagrams in the stream: the slow rank is still flagged, the daemon runs on.
     cfg = DaemonConfig(socket_path=str(tmp_path / "run" / "ingest.sock"), trace_out="/dev/full",
-                       metrics_addr=None, interval=0.05)  # fmt: skip
+                       metrics_addr=None, interval=0.05, trust_record_pid=True)  # fmt: skip
     d = Daemon(cfg, pipeline=Pipeline())
     d.start()
     t = threading.Thread(target=d.run)

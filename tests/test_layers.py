@@ -36,8 +36,9 @@ LAYERS: dict[str, int] = {
     "detect": 3,
     "pipeline": 4,
     # consumers of the pipeline's output, and the lab
-    "replay": 5,
+    "jobs": 5,
     "cluster": 5,
+    "replay": 6,
     "ingest": 5,
     "exporters": 5,
     "report": 5,
