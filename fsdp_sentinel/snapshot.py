@@ -147,6 +147,10 @@ class Snapshot:
     rdma_ports: tuple[RdmaPortView, ...] = ()
     nccl: tuple[NcclView, ...] = ()
     remediation: tuple[RemediationView, ...] = ()
+    #: Records the stream guard refused, by reason (fsdp_sentinel.stream).
+    stream_refused_total: dict[str, int] = field(default_factory=dict)
+    #: Sources (ranks, hosts) whose clock jump was taken off their records.
+    clock_resets_total: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
