@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from fsdp_sentinel.ingest import DEFAULT_SOCKET, IngestServer
 from fsdp_sentinel.snapshot import Snapshot
-from fsdp_sentinel.trace import TraceWriter
+from fsdp_sentinel.trace import TIME_FIELD, TraceWriter
 
 log = logging.getLogger("fsdp_sentinel.daemon")
 
@@ -334,7 +334,8 @@ class Daemon:
 
     def _handle(self, rec: Record) -> None:
         kind = rec["kind"]
-        self.counts[kind] += 1
+        # Counted by kind, unknown kinds as one: a stream of new kinds grows nothing.
+        self.counts[kind if kind in TIME_FIELD else "other"] += 1
         if kind == "rank":
             self._register(rec.get("pid"))
         if self._trace is not None:

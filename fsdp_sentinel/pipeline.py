@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from fsdp_sentinel.correlate import Correlator, RankStep
+from fsdp_sentinel.correlate import Correlator, RankStep, StateLimits
 from fsdp_sentinel.cost import straggler_cost
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
 from fsdp_sentinel.detect.network import window_s as evidence_window_s
@@ -44,6 +44,9 @@ Record = dict[str, Any]
 
 #: Kinds that carry nothing for detection (outputs, ground truth, headers).
 PASSIVE_KINDS = frozenset({"header", "verdict", "action", "fault"})
+
+#: Stream seconds between the correlator's time-to-live sweeps (StateLimits.ttl_s).
+SWEEP_S = 30.0
 
 #: What ``feed`` returns for a record that caused no verdict (most of them):
 #: one shared empty tuple rather than a new list per record.
@@ -80,6 +83,7 @@ class Pipeline:
         finalize_lag: int = 2,
         observer: Observer | None = None,
         stream: StreamConfig | None = None,
+        limits: StateLimits | None = None,
     ) -> None:
         self.config = config or DetectConfig()
         # Stream sanity (fsdp_sentinel.stream): a record past ``_horizon`` (the
@@ -92,7 +96,8 @@ class Pipeline:
         self._step_limit = math.inf
         self.observer = observer
         self.finalize_lag = finalize_lag
-        self.corr = Correlator(flow_window_s=self.config.network.flow_window_s)
+        self.corr = Correlator(flow_window_s=self.config.network.flow_window_s, limits=limits)
+        self._next_sweep = -math.inf  # the correlator's time-to-live sweep, every SWEEP_S
         self.state = DetectState()
         self.now = 0.0
         self.last_report: Report | None = None
@@ -168,6 +173,13 @@ class Pipeline:
         except (KeyError, TypeError, ValueError, AttributeError):
             self._malformed += 1
             return []
+
+    def end(self) -> list[Record]:
+        """The input ended: records the stream guard still holds aside are fed
+        as they are (nothing came to say they ran ahead of the stream)."""
+        out = self.guard.release(self._admit)
+        self._arm()
+        return out
 
     def feed_many(self, recs: Any) -> list[Record]:
         out: list[Record] = []
@@ -312,6 +324,7 @@ class Pipeline:
             nccl=self.fabric.nccl(),
             stream_refused_total=dict(self.guard.counts),
             clock_resets_total=self.guard.resets,
+            evictions_total=dict(self.corr.evicted),
         )
 
     # ------------------------------------------------------------ handlers
@@ -329,6 +342,9 @@ class Pipeline:
         if first:
             return []
         self._ticks += 1
+        if self.now >= self._next_sweep:
+            self._next_sweep = self.now + SWEEP_S
+            self.corr.sweep(self.now)
         out = self._run(self.corr.tick_summary(self.now))
         # A rank just declared lost no longer holds its step back.
         out.extend(self._finalize_ready())

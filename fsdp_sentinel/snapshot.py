@@ -151,6 +151,8 @@ class Snapshot:
     stream_refused_total: dict[str, int] = field(default_factory=dict)
     #: Sources (ranks, hosts) whose clock jump was taken off their records.
     clock_resets_total: int = 0
+    #: What the correlator's caps and time-to-live dropped, by kind (correlate.StateLimits).
+    evictions_total: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

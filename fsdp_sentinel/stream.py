@@ -198,6 +198,10 @@ class StreamGuard:
             out.extend(feed(shifted(rec, off)))
         return out
 
+    def release(self, feed: Feed) -> list[Record]:
+        """Feed every held record, in arrival order (the end of the input)."""
+        return self._release_all(feed) if self._order else []
+
     def _release_all(self, feed: Feed) -> list[Record]:
         order = self._order
         self._order = []

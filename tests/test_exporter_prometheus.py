@@ -76,6 +76,7 @@ SNAP = Snapshot(
     ingest_messages_total={"accepted": 144, "malformed_json": 3, "refused": 2},
     stream_refused_total={"clock_ahead": 3, "step_ahead": 1},
     clock_resets_total=2,
+    evictions_total={"pair": 5, "op": 0},
     events_lost_total={"map_eviction": 7, "tracepoint_miss": 0},
     bpf_programs=(BpfProgramView("tracepoint__sock__sock_send_length", 1000, 2_500_000),),
     rdma_ports=(RdmaPortView("fss-h1", "mlx5_0", 1, 4096, 8192, {"symbol_error": 2}),),
@@ -173,6 +174,8 @@ EXPECTED = [
     ("fsdp_sentinel_stream_refused_total", {"result": "clock_ahead"}, 3.0),
     ("fsdp_sentinel_stream_refused_total", {"result": "step_ahead"}, 1.0),
     ("fsdp_sentinel_clock_resets_total", {}, 2.0),
+    ("fsdp_sentinel_state_evictions_total", {"kind": "op"}, 0.0),
+    ("fsdp_sentinel_state_evictions_total", {"kind": "pair"}, 5.0),
     ("fsdp_sentinel_events_lost_total", {"source": "map_eviction"}, 7.0),
     ("fsdp_sentinel_events_lost_total", {"source": "tracepoint_miss"}, 0.0),
     (
