@@ -358,6 +358,12 @@ def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
     resets.add_metric([], float(snap.clock_resets_total))
     yield resets
     yield by_key(
+        "thread_restarts_total",
+        "Times one of the daemon's threads died and was started again, by thread.",
+        "thread",
+        snap.thread_restarts_total,
+    )
+    yield by_key(
         "state_evictions_total",
         "What the correlator's caps and time-to-live dropped or folded, by kind of state.",
         "kind",

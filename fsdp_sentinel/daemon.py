@@ -198,6 +198,7 @@ class Daemon:
         self.pids: set[int] = set()
         self.counts: Counter[str] = Counter()  # records by kind, plus "verdict", "action"
         self.pipeline_errors = 0
+        self.restarts = 0  # times the pipeline loop died and was started again
         self.ingest: IngestServer | None = None
         self.http: Any = None
         self._bpf_stats: Any = None  # probes.bpfstats.RunStats while probes run
@@ -262,7 +263,21 @@ class Daemon:
         self._queue.put(_WAKE)  # SimpleQueue.put is reentrant
 
     def run(self) -> None:
-        """The pipeline loop, until :meth:`request_stop`; then drains and polls once more."""
+        """The pipeline loop, until :meth:`request_stop`; then drains and polls once more.
+
+        Supervised: a loop that dies (a bug past every ``_safely``) is logged,
+        counted (``thread_restarts_total{thread="pipeline"}``) and run again."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:
+                self.restarts += 1
+                log.exception("pipeline loop died; starting it again")
+                if self._stopping:
+                    return
+
+    def _loop(self) -> None:
         interval = self.config.interval
         clock = self._clock
         get = self._queue.get
@@ -421,6 +436,13 @@ class Daemon:
             log.exception("pipeline snapshot failed")
             return
         ingest = self.ingest
+        http = self.http
+        restarts = {"pipeline": self.restarts}
+        if ingest is not None:
+            restarts["ingest"] = ingest.restarts
+        if http is not None:
+            restarts["http"] = http.restarts
+        snap = dataclasses.replace(snap, thread_restarts_total=restarts)
         if ingest is not None:
             snap = dataclasses.replace(
                 snap,

@@ -22,9 +22,8 @@ LIMITS = StateLimits(
 )  # fmt: skip
 
 
-def with_flood(flood: list[dict], limits: StateLimits = LIMITS) -> tuple[Pipeline, list[dict]]:
-    """A 4-rank job with rank 2 slow from step 10; ``flood`` (made by the caller
-    at the split's time) goes in at step 20."""
+def job() -> tuple[list[dict], int]:
+    """A 4-rank job with rank 2 slow from step 10, and where step 20 begins."""
     recs, _ = generate(
         Scenario(
             steps=40,
@@ -32,7 +31,12 @@ def with_flood(flood: list[dict], limits: StateLimits = LIMITS) -> tuple[Pipelin
             daemon_clock=True,
         )  # fmt: skip
     )
-    i = next(j for j, r in enumerate(recs) if r["kind"] == "coll" and r["step"] == 20)
+    return recs, next(j for j, r in enumerate(recs) if r["kind"] == "coll" and r["step"] == 20)
+
+
+def with_flood(flood: list[dict], limits: StateLimits = LIMITS) -> tuple[Pipeline, list[dict]]:
+    """The job with ``flood`` (made by the caller at :func:`t_split`) fed in at step 20."""
+    recs, i = job()
     pipe = Pipeline(limits=limits)
     out = list(pipe.feed_many(recs[:i]))
     out += pipe.feed_many(flood)
@@ -41,14 +45,7 @@ def with_flood(flood: list[dict], limits: StateLimits = LIMITS) -> tuple[Pipelin
 
 
 def t_split() -> float:
-    recs, _ = generate(
-        Scenario(
-            steps=40,
-            faults=(SlowCompute(rank=SLOW, factor=3.0, start=10, end=40),),
-            daemon_clock=True,
-        )  # fmt: skip
-    )
-    i = next(j for j, r in enumerate(recs) if r["kind"] == "coll" and r["step"] == 20)
+    recs, i = job()
     return max(map(record_time, recs[:i]))
 
 
