@@ -23,6 +23,7 @@ import gzip
 import json
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
 SNAPSHOT_PATH = "/api/v1/snapshot"
+HEALTH_PATH = "/healthz"
 
 #: What ``--metrics-addr`` defaults to: loopback only (metrics name hosts and
 #: ranks), on a port that no exporter in Prometheus's default-port list takes
@@ -63,8 +65,50 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+#: Connections served at once; more are closed at once (counted). A thread
+#: each, so 300 clients that never finish a request hold at most this many.
+MAX_CONNECTIONS = 16
+
+#: Seconds a connection may take to send its request (and read the reply)
+#: before it is dropped: a client that sends half a request holds nothing long.
+CONNECTION_TIMEOUT_S = 10.0
+
+
 class _Server(ThreadingWSGIServer):
+    """A thread per connection, at most ``max_connections`` of them."""
+
     daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        self.slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0  # connections closed because every slot was taken
+        self.timed_out = 0  # connections dropped by the per-connection timeout
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that timed out or went away: counted, not a traceback on stderr.
+        if isinstance(sys.exc_info()[1], OSError):
+            self.timed_out += 1
+            return
+        log.exception("http: error serving %s", client_address)
 
 
 class _V6Server(_Server):
@@ -79,6 +123,8 @@ class _V6Server(_Server):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S  # StreamRequestHandler: set on the socket
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.debug("http: " + format, *args)
 
@@ -94,6 +140,12 @@ def make_app(
         try:
             if path == METRICS_PATH:
                 return metrics(environ, start_response)  # type: ignore[no-any-return]
+            if path == HEALTH_PATH:
+                snap = snapshot_fn()
+                restarts = dict(snap.thread_restarts_total)
+                health = {"status": "ok", "t": snap.t, "thread_restarts": restarts}
+                body = json.dumps(health, allow_nan=False).encode()
+                return _reply(start_response, "200 OK", "application/json", body)
             if path == SNAPSHOT_PATH:
                 body = json.dumps(snapshot_fn().to_json(), allow_nan=False).encode()
                 return _reply(start_response, "200 OK", "application/json", body)
@@ -155,14 +207,31 @@ class MetricsServer:
         addr: tuple[str, int],
         registry: CollectorRegistry,
         snapshot_fn: Callable[[], Snapshot],
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        timeout_s: float = CONNECTION_TIMEOUT_S,
     ) -> None:
-        server_cls = _V6Server if ":" in addr[0] else _Server
-        self._httpd = make_server(
-            addr[0], addr[1], make_app(registry, snapshot_fn), server_cls, _QuietHandler
+        base = _V6Server if ":" in addr[0] else _Server
+        server_cls = type("Server", (base,), {"max_connections": max_connections})
+        handler = type("Handler", (_QuietHandler,), {"timeout": timeout_s})
+        self._httpd: Any = make_server(
+            addr[0], addr[1], make_app(registry, snapshot_fn), server_cls, handler
         )
         self.host = addr[0]
         self.port = int(self._httpd.server_address[1])
         self._thread: threading.Thread | None = None
+        self.restarts = 0  # times the serving loop died and was started again
+        self._closing = False
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once because ``max_connections`` were being served."""
+        return int(self._httpd.refused)
+
+    @property
+    def timed_out(self) -> int:
+        """Connections dropped by the per-connection timeout (or a client gone)."""
+        return int(self._httpd.timed_out)
 
     @property
     def url(self) -> str:
@@ -170,16 +239,22 @@ class MetricsServer:
         return f"http://{host}:{self.port}"
 
     def start(self) -> MetricsServer:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.5},
-            name="fsdp-sentinel-http",
-            daemon=True,
-        )
+        self._thread = threading.Thread(target=self._serve, name="fsdp-sentinel-http", daemon=True)
         self._thread.start()
         return self
 
+    def _serve(self) -> None:
+        # Supervised: a serving loop that dies is logged, counted and started again.
+        while not self._closing:
+            try:
+                self._httpd.serve_forever(poll_interval=0.5)
+                return  # shutdown() asked
+            except Exception:
+                self.restarts += 1
+                log.exception("http server loop died; starting it again")
+
     def close(self) -> None:
+        self._closing = True
         if self._thread is not None:
             self._httpd.shutdown()
             self._thread.join(timeout=5)

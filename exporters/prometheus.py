@@ -358,6 +358,29 @@ def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
         snap.ingest_messages_total,
     )
     yield by_key(
+        "stream_refused_total",
+        "Records the stream guard refused: far ahead of the stream clock, or a step far ahead.",
+        "result",
+        snap.stream_refused_total,
+    )
+    resets = _counter(
+        "clock_resets_total", "Ranks or hosts whose clock jump was taken off their records.", []
+    )
+    resets.add_metric([], float(snap.clock_resets_total))
+    yield resets
+    yield by_key(
+        "thread_restarts_total",
+        "Times one of the daemon's threads died and was started again, by thread.",
+        "thread",
+        snap.thread_restarts_total,
+    )
+    yield by_key(
+        "state_evictions_total",
+        "What the correlator's caps and time-to-live dropped or folded, by kind of state.",
+        "kind",
+        snap.evictions_total,
+    )
+    yield by_key(
         "events_lost_total",
         "Probe events lost in the kernel or on the way, by source.",
         "source",

@@ -29,6 +29,7 @@ import math
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import reduce
 from itertools import islice
 from operator import add, gt, itemgetter, le, sub
@@ -196,6 +197,48 @@ def weighted_srtt(samples: Iterable[tuple[float | None, int]]) -> float | None:
     return (wsum / wbytes) if wbytes else None
 
 
+@dataclass(frozen=True)
+class StateLimits:
+    """Caps on what the correlator keeps, so no stream can grow it without end.
+
+    Far above any real job's shape (FSDP keeps 1-3 steps in flight a rank,
+    a few ops, each rank a handful of peers); what passes a cap is evicted
+    (the oldest first) or folded, and counted in :attr:`Correlator.evicted`.
+    """
+
+    max_ranks: int = 4096
+    """Ranks kept. When full, the longest-idle rank that only announced itself
+    (never a step or collective) makes room; otherwise the new rank is refused."""
+
+    max_pending_steps: int = 64
+    """Steps not yet summarised, a rank (a rank whose step records never come
+    otherwise files collectives for ever); the oldest is dropped."""
+
+    max_colls_per_step: int = 16_384
+    """Collectives of one rank in one step (FSDP issues a few per layer)."""
+
+    max_ops: int = 16
+    """Distinct ``op`` values a rank's totals keep; the rest add up as ``other``."""
+
+    max_pairs: int = 65_536
+    """Directed (rank, peer) pairs with flow figures."""
+
+    max_endpoints: int = 65_536
+    """Local ``ip:port`` endpoints remembered (the oldest half goes when full)."""
+
+    max_hosts: int = 4096
+    """Hosts whose probe records' arrival is tracked."""
+
+    ttl_s: float = 600.0
+    """Stream seconds after which a pair with no new sample, a host not heard
+    from, or a rank that only announced itself is forgotten (:meth:`Correlator.sweep`)."""
+
+
+#: What the evictions are counted under (``fsdp_sentinel_state_evictions_total{kind}``).
+EVICTION_KINDS = ("rank", "step", "coll", "op", "pair", "endpoint", "host")
+OTHER_OP = "other"
+
+
 class _Rank:
     """Everything the correlator keeps about one rank (bounded)."""
 
@@ -258,8 +301,9 @@ class _Rank:
         self.seq_done = -1  # newest seq of its summarised coll records (see keys_done)
         self.keys_done: Sequence[Any] = ()  # the newest summarised step's collective keys
 
-    def add_ops(self, cols: _Columns) -> None:
-        """Add one summarised step's collectives to the per-op totals."""
+    def add_ops(self, cols: _Columns, max_ops: int, evicted: dict[str, int]) -> None:
+        """Add one summarised step's collectives to the per-op totals (at most
+        ``max_ops`` ops; past it, ``other``, counted in ``evicted``)."""
         plan = self._op_plan
         # FSDP issues the same collectives every step: the plan made for the
         # last step still says how to add this one up (one tuple compare).
@@ -270,6 +314,9 @@ class _Rank:
         waits = cols.waits
         hists = self.coll_wait_buckets
         for key, n, b, pick in plan.per_op:
+            if key not in cnt and len(cnt) >= max_ops:
+                evicted["op"] += n  # a rank's ops past the cap add up as one
+                key = OTHER_OP
             picked = waits if pick is None else pick(waits)
             w = cols.total_wait if pick is None else sum(picked)
             counts = hists.get(key)
@@ -340,6 +387,7 @@ class _Pair:
         "tx_rate",
         "rx_rate",
         "view",
+        "last_t",
     )
 
     def __init__(self) -> None:
@@ -353,6 +401,7 @@ class _Pair:
         self.rx_rate: float | None = None
         # flow_matrix's figures for these samples; None once they change.
         self.view: PairFlow | None = None
+        self.last_t = 0.0  # its newest sample's time (the sweep's time-to-live)
 
 
 def _ip(endpoint: str) -> str:
@@ -455,8 +504,14 @@ class Correlator:
     ``flow_window_s`` is how far back flow samples count for the pair figures.
     """
 
-    def __init__(self, flow_window_s: float = 3.0) -> None:
+    def __init__(self, flow_window_s: float = 3.0, limits: StateLimits | None = None) -> None:
         self.flow_window_s = flow_window_s
+        self.limits = limits or StateLimits()
+        #: What the caps and time-to-live dropped or folded, by kind (EVICTION_KINDS).
+        self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
+        # Ranks that only announced themselves so far, oldest first: the
+        # ones a full rank map evicts.
+        self._idle: dict[int, None] = {}
         self.flow_dt: float | None = None  # the probes' interval: the latest flow sample's dt
         self.ranks: dict[int, _Rank] = {}
         self.world_size: int | None = None
@@ -487,18 +542,58 @@ class Correlator:
         # host -> [when its own probe records last arrived, their interval]
         self.hosts_heard: dict[str, list[float]] = {}
         self._pending_ranks: set[int] = set()  # ranks with pending records filed
+        self._colls_cap = self.limits.max_colls_per_step  # read per coll record
 
     # ------------------------------------------------------------ per record
 
     def rank_of(self, rank: int) -> _Rank:
         rs = self.ranks.get(rank)
         if rs is None:
+            if len(self.ranks) >= self.limits.max_ranks and not self._evict_idle_rank():
+                self.evicted["rank"] += 1
+                raise ValueError(f"rank map full ({self.limits.max_ranks}): rank {rank} refused")
             rs = self.ranks[rank] = _Rank(rank)
         return rs
 
+    def _evict_idle_rank(self) -> bool:
+        """Forget the longest-idle rank that never sent a step or collective."""
+        for rank in self._idle:
+            self.forget_rank(rank)
+            return True
+        return False
+
+    def forget_rank(self, rank: int) -> None:
+        """Drop everything kept about ``rank`` (evicted), but what others say of it."""
+        rs = self.ranks.pop(rank, None)
+        self._idle.pop(rank, None)
+        if rs is None:
+            return
+        self.evicted["rank"] += 1
+        if rs.pid is not None:
+            if self._pid_rank.get((rs.host, rs.pid)) == rank:
+                del self._pid_rank[(rs.host, rs.pid)]
+            if self._pid_only.get(rs.pid) == rank:
+                del self._pid_only[rs.pid]
+        for a in rs.addrs:
+            if self._addr_rank.get(a) == rank:
+                del self._addr_rank[a]
+        for table in (self._torn, self._self_closed, self._reset_by, self._peers):
+            table.pop(rank, None)  # type: ignore[attr-defined]
+        self._pending_ranks.discard(rank)
+        self._flow_cache.clear()
+
+    def _busy(self, rs: _Rank) -> None:
+        """``rs`` sent a step or collective: it is no longer idle (never evicted for room)."""
+        self._idle.pop(rs.rank, None)
+
     def add_rank(self, rec: Record) -> _Rank:
         rank = int(rec["rank"])
+        if rank >= int(rec["world_size"]):
+            raise ValueError(f"rank {rank} outside its own world of {rec['world_size']}")
         rs = self.rank_of(rank)
+        if rs.done_step < 0 and rs.max_coll_step < 0:
+            self._idle.pop(rank, None)
+            self._idle[rank] = None  # announced again: the newest idle rank
         rs.host = str(rec["host"])
         rs.job = str(rec.get("job") or "")
         rs.pid = int(rec["pid"])
@@ -526,6 +621,14 @@ class Correlator:
         end = float(rec["end"])
         float(rec["start"])  # validate now, not at summary time
         if step not in rs.steps:  # a datagram delivered twice is one report
+            if len(rs.steps) >= self.limits.max_pending_steps:
+                old = min(rs.steps)
+                del rs.steps[old]
+                self._reports[old] -= 1
+                if not self._reports[old]:
+                    del self._reports[old]
+                self._unfile(old)
+                self.evicted["step"] += 1
             self._reports[step] = self._reports.get(step, 0) + 1
             self._filed[step] = self._filed.get(step, 0) + 1
         rs.steps[step] = rec
@@ -534,6 +637,8 @@ class Correlator:
         if rs.first_step is None or step < rs.first_step:
             rs.first_step = step
         if step > rs.done_step:
+            if rs.done_step < 0:
+                self._busy(rs)
             rs.done_step = step
         if step > self.job_done:
             self.job_done = step
@@ -558,7 +663,11 @@ class Correlator:
             if lst is not None:  # not its step's first record: just file it
                 if end > rs.last_t:  # a number, or TypeError before anything is filed
                     rs.last_t = end
-                lst.append(rec)
+                if len(lst) < self._colls_cap:
+                    lst.append(rec)
+                else:
+                    self.evicted["coll"] += 1
+                    self._colls_done += 1
                 return end
         return self._add_first_coll(rec, end, rank)
 
@@ -576,7 +685,16 @@ class Correlator:
             rs = self.rank_of(_as_index("rank", rank))
         if end > rs.last_t:  # a number, or TypeError before anything is filed
             rs.last_t = end
-        rs.colls[step] = [rec]
+        colls = rs.colls
+        if len(colls) >= self.limits.max_pending_steps:
+            oldest = min(colls)
+            n = len(colls.pop(oldest))
+            self._unfile(oldest)
+            self.evicted["coll"] += n
+            self._colls_done += n
+        if rs.max_coll_step < 0 and rs.done_step < 0:
+            self._busy(rs)
+        colls[step] = [rec]
         self._filed[step] = self._filed.get(step, 0) + 1
         if step > rs.max_coll_step:
             rs.max_coll_step = step
@@ -621,17 +739,32 @@ class Correlator:
             rank = self._local_rank(host, pid)
         if rank is None:
             return None
-        self._endpoint_rank[src] = rank
+        self._remember_endpoint(src, rank)
         peer = rec.get("peer_rank")
         if peer is None:
             peer = self._remote_rank(dst)
         if peer is None or peer == rank:
             return None
         hit = (int(rank), int(peer))
+        ws = self.world_size
+        if ws is not None and not (0 <= hit[0] < ws and 0 <= hit[1] < ws):
+            return None  # a rank outside the announced world: no pair of the job's
+        if len(self._flow_cache) >= self.limits.max_endpoints:
+            self._flow_cache.clear()  # a cache: refilled from the maps as flows come
         self._flow_cache[key] = hit
         self._peers.setdefault(hit[0], set()).add(hit[1])
         self._peers.setdefault(hit[1], set()).add(hit[0])
         return hit
+
+    def _remember_endpoint(self, src: str, rank: int) -> None:
+        eps = self._endpoint_rank
+        if src not in eps and len(eps) >= self.limits.max_endpoints:
+            # Full: the older half goes (dicts keep insertion order).
+            gone = list(islice(eps, len(eps) // 2))
+            for old in gone:
+                del eps[old]
+            self.evicted["endpoint"] += len(gone)
+        eps[src] = rank
 
     def add_pending(self, rec: Record) -> None:
         """File a ``pending`` record: the rank's collective ``seq`` is still in flight.
@@ -661,6 +794,10 @@ class Correlator:
         t = rec[_T]
         h = self.hosts_heard.get(rec[_HOST])
         if h is None:
+            if len(self.hosts_heard) >= self.limits.max_hosts:
+                float(t)  # a bad time is still malformed, not an eviction
+                self.evicted["host"] += 1
+                return
             self.hosts_heard[str(rec[_HOST])] = [float(t), float(rec[_DT])]
         elif t > h[0]:
             h[0] = t
@@ -675,6 +812,9 @@ class Correlator:
             return None
         pair = self.pairs.get(hit)
         if pair is None:
+            if len(self.pairs) >= self.limits.max_pairs:
+                self.evicted["pair"] += 1
+                return None
             pair = self.pairs[hit] = _Pair()
             self._pair_keys = None
         tx = int(rec["tx_bytes"])
@@ -685,6 +825,8 @@ class Correlator:
         t = float(rec["t"])
         samples = pair.samples
         samples.append((t, dt, tx, rx, srtt, retrans, rec.get("cwnd")))
+        if t > pair.last_t:
+            pair.last_t = t
         self.flow_dt = dt
         pair.view = None
         self._matrix = None
@@ -711,7 +853,7 @@ class Correlator:
         if local is None:
             local = self._endpoint_rank.get(src)
         elif what == "open":
-            self._endpoint_rank[src] = local
+            self._remember_endpoint(src, local)
         remote = self._remote_rank(dst)
         if what not in ("close", "reset"):
             if local is not None and remote is not None and local != remote:
@@ -739,6 +881,24 @@ class Correlator:
             if b not in torn:
                 torn[b] = t
             self._peers.setdefault(a, set()).add(b)
+
+    def sweep(self, now: float) -> None:
+        """Forget what has been quiet for ``limits.ttl_s`` of stream time:
+        pairs with no sample since, hosts not heard from, ranks that only
+        announced themselves (counted in :attr:`evicted`)."""
+        horizon = now - self.limits.ttl_s
+        stale = [k for k, p in self.pairs.items() if p.last_t < horizon]
+        for key in stale:
+            del self.pairs[key]
+        if stale:
+            self.evicted["pair"] += len(stale)
+            self._pair_keys = None
+            self._matrix = None
+        for host in [h for h, v in self.hosts_heard.items() if v[0] < horizon]:
+            del self.hosts_heard[host]
+            self.evicted["host"] += 1
+        for rank in [r for r in self._idle if self.ranks[r].last_t < horizon]:
+            self.forget_rank(rank)
 
     def mark_lost(self, rank: int) -> None:
         """The detector declared ``rank`` lost: no step waits for it from now on."""
@@ -840,7 +1000,7 @@ class Correlator:
                             if w <= hit[1]:
                                 last += 1
                 wait = _blocked(cols)
-                rs.add_ops(cols)
+                rs.add_ops(cols, self.limits.max_ops, self.evicted)
                 # Its newest seq is read only when a stall is judged: keep the
                 # keys (one store per rank and step), not their maximum.
                 rs.keys_done = cols.keys

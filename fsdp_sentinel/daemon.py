@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from fsdp_sentinel.ingest import DEFAULT_SOCKET, IngestServer
 from fsdp_sentinel.snapshot import Snapshot
-from fsdp_sentinel.trace import TraceWriter
+from fsdp_sentinel.trace import TIME_FIELD, TraceWriter
 
 log = logging.getLogger("fsdp_sentinel.daemon")
 
@@ -203,6 +203,7 @@ class Daemon:
         self.pids: set[int] = set()
         self.counts: Counter[str] = Counter()  # records by kind, plus "verdict", "action"
         self.pipeline_errors = 0
+        self.restarts = 0  # times the pipeline loop died and was started again
         self.ingest: IngestServer | None = None
         self.http: Any = None
         self._bpf_stats: Any = None  # probes.bpfstats.RunStats while probes run
@@ -269,7 +270,21 @@ class Daemon:
         self._queue.put(_WAKE)  # SimpleQueue.put is reentrant
 
     def run(self) -> None:
-        """The pipeline loop, until :meth:`request_stop`; then drains and polls once more."""
+        """The pipeline loop, until :meth:`request_stop`; then drains and polls once more.
+
+        Supervised: a loop that dies (a bug past every ``_safely``) is logged,
+        counted (``thread_restarts_total{thread="pipeline"}``) and run again."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:
+                self.restarts += 1
+                log.exception("pipeline loop died; starting it again")
+                if self._stopping:
+                    return
+
+    def _loop(self) -> None:
         interval = self.config.interval
         clock = self._clock
         get = self._queue.get
@@ -341,7 +356,8 @@ class Daemon:
 
     def _handle(self, rec: Record) -> None:
         kind = rec["kind"]
-        self.counts[kind] += 1
+        # Counted by kind, unknown kinds as one: a stream of new kinds grows nothing.
+        self.counts[kind if kind in TIME_FIELD else "other"] += 1
         if kind == "rank":
             # The probes key on host tgids: the kernel's pid for the sender.
             self._register(rec.get("host_pid", rec.get("pid")))
@@ -428,6 +444,13 @@ class Daemon:
             log.exception("pipeline snapshot failed")
             return
         ingest = self.ingest
+        http = self.http
+        restarts = {"pipeline": self.restarts}
+        if ingest is not None:
+            restarts["ingest"] = ingest.restarts
+        if http is not None:
+            restarts["http"] = http.restarts
+        snap = dataclasses.replace(snap, thread_restarts_total=restarts)
         if ingest is not None:
             snap = dataclasses.replace(
                 snap,

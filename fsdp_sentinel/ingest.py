@@ -262,6 +262,8 @@ class IngestServer:
         self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
         self.closed = False
+        self.restarts = 0  # times the receive loop died and was started again
+        self._inflight = False  # a datagram counted received, not yet accepted or dropped
 
     def _set_rcvbuf(self, size: int) -> None:
         try:
@@ -279,9 +281,26 @@ class IngestServer:
         return sum(self.dropped.values())
 
     def start(self) -> IngestServer:
-        self._thread = threading.Thread(target=self._loop, name="fsdp-sentinel-ingest", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="fsdp-sentinel-ingest", daemon=True)
         self._thread.start()
         return self
+
+    def _run(self) -> None:
+        # Supervised: a receive loop that dies (on_record raised, say) is
+        # logged, counted and started again; the datagram it held is counted
+        # as refused, so received == accepted + dropped still holds.
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:
+                if self._inflight:
+                    self._inflight = False
+                    self.dropped[REFUSED] += 1
+                if self.closed:
+                    return
+                self.restarts += 1
+                log.exception("ingest receive loop died; starting it again")
 
     def _loop(self) -> None:
         sock, wake = self._sock, self._wake_r
@@ -316,9 +335,12 @@ class IngestServer:
                     continue
                 if not self._trust_pid and not self._credit(rec, sender_pid(anc)):
                     continue
+                self._inflight = True
                 if self._on_record(rec) is False:
+                    self._inflight = False
                     self.dropped[REFUSED] += 1
                     continue
+                self._inflight = False
                 self.accepted += 1
             if wake in ready:
                 return

@@ -15,7 +15,8 @@ Robust to what a live stream does: records slightly out of order across
 ranks (a step is only summarised once complete), records lost (a step with a
 missing rank is summarised when another rank is ``finalize_lag`` steps on),
 fields of the wrong type (counted as malformed, never raised), unknown kinds
-(counted, ignored), and input ``verdict``/``action`` records (ignored, so a
+(counted, ignored), a record far ahead of the stream clock or a step far
+ahead of the job (held aside or refused, :mod:`fsdp_sentinel.stream`), and input ``verdict``/``action`` records (ignored, so a
 trace with the daemon's own verdicts replays to the same verdicts).
 """
 
@@ -25,21 +26,27 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from fsdp_sentinel.correlate import Correlator, RankStep
+from fsdp_sentinel.correlate import Correlator, RankStep, StateLimits
 from fsdp_sentinel.cost import straggler_cost
 from fsdp_sentinel.detect import DetectConfig, DetectState, Report, detect
 from fsdp_sentinel.detect.network import window_s as evidence_window_s
 from fsdp_sentinel.fabric import FabricTotals
 from fsdp_sentinel.snapshot import PeerView, RankView, Snapshot
+from fsdp_sentinel.stream import STEP_AHEAD, STEP_KINDS, TIME_FIELD, StreamConfig, StreamGuard
 from fsdp_sentinel.trace import KEY
 
 # Looked up with the parser's own key objects on the hot path (see trace.KEY).
-_KIND = KEY["kind"]
+_KIND, _END, _STEP = KEY["kind"], KEY["end"], KEY["step"]
+#: Each kind's stream time field but coll's, for the stream guard's fast check.
+_TIME_OF = {k: KEY[f] for k, f in TIME_FIELD.items() if k != "coll"}
 
 Record = dict[str, Any]
 
 #: Kinds that carry nothing for detection (outputs, ground truth, headers).
 PASSIVE_KINDS = frozenset({"header", "verdict", "action", "fault"})
+
+#: Stream seconds between the correlator's time-to-live sweeps (StateLimits.ttl_s).
+SWEEP_S = 30.0
 
 #: What ``feed`` returns for a record that caused no verdict (most of them):
 #: one shared empty tuple rather than a new list per record.
@@ -75,7 +82,9 @@ class Pipeline:
     ``stats`` counts: ``records`` fed, ``malformed`` (a known kind with fields
     of the wrong type), ``late`` (step/coll records for a step already
     summarised), ``unattributed_flows``, ``steps`` summarised, ``ticks``,
-    ``verdicts`` emitted.
+    ``verdicts`` emitted; from the stream guard (:mod:`fsdp_sentinel.stream`),
+    ``held`` (records held aside), ``clock_resets`` (sources re-based) and
+    ``refused_<reason>``.
     """
 
     def __init__(
@@ -83,11 +92,22 @@ class Pipeline:
         config: DetectConfig | None = None,
         finalize_lag: int = 2,
         observer: Observer | None = None,
+        stream: StreamConfig | None = None,
+        limits: StateLimits | None = None,
     ) -> None:
         self.config = config or DetectConfig()
+        # Stream sanity (fsdp_sentinel.stream): a record past ``_horizon`` (the
+        # stream clock at the last tick + ahead_s; -inf while the guard holds
+        # or re-bases anything, so every record is judged) or a step past
+        # ``_step_limit`` goes to the guard; the rest cost two compares.
+        self.guard = StreamGuard(stream)
+        self._clock_horizon = math.inf
+        self._horizon = math.inf
+        self._step_limit = math.inf
         self.observer = observer
         self.finalize_lag = finalize_lag
-        self.corr = Correlator(flow_window_s=self.config.network.flow_window_s)
+        self.corr = Correlator(flow_window_s=self.config.network.flow_window_s, limits=limits)
+        self._next_sweep = -math.inf  # the correlator's time-to-live sweep, every SWEEP_S
         self.state = DetectState()
         self.now = 0.0
         self.last_report: Report | None = None
@@ -127,6 +147,11 @@ class Pipeline:
             # late) by the correlator, the stream clock moved; the rest of the
             # checks happen a step at a time when the step is summarised.
             try:
+                if rec[_END] > self._horizon or rec[_STEP] > self._step_limit:
+                    return self._guarded(rec)
+            except (KeyError, TypeError):
+                pass  # ill-typed: filing it below counts it as malformed
+            try:
                 end = self._add_coll(rec)
                 if end > self.now:
                     self.now = float(end)
@@ -137,6 +162,15 @@ class Pipeline:
                 self._malformed += 1
                 self._colls_bad += 1
                 return _NOTHING
+        tf = _TIME_OF.get(kind)
+        if tf is not None:
+            try:
+                if rec[tf] > self._horizon or (
+                    kind in STEP_KINDS and rec[_STEP] > self._step_limit
+                ):
+                    return self._guarded(rec)
+            except (KeyError, TypeError):
+                pass  # ill-typed: its handler counts it as malformed
         totals = self._totals
         handler = self._handlers.get(kind)
         if handler is None:
@@ -150,8 +184,41 @@ class Pipeline:
             self._malformed += 1
             return []
 
+    def end(self) -> list[Record]:
+        """The input ended: records the stream guard still holds aside are fed
+        as they are (nothing came to say they ran ahead of the stream)."""
+        out = self.guard.release(self._admit)
+        self._arm()
+        return out
+
     def feed_many(self, recs: Any) -> list[Record]:
         return feed_all(self.feed, recs)
+
+    def _guarded(self, rec: Record) -> Sequence[Record]:
+        """A record the fast check sent to the stream guard (see __init__)."""
+        step = rec.get("step")
+        if rec.get("kind") in STEP_KINDS and type(step) is int:
+            newest = max(self.corr.job_done, self.corr.max_coll_step)
+            if step > self.guard.step_limit(newest):
+                self.guard.refuse(STEP_AHEAD)
+                return _NOTHING
+        try:
+            return self.guard.admit(rec, self.now, self._clock_horizon, self._admit)
+        finally:
+            self._arm()
+
+    def _admit(self, rec: Record) -> Sequence[Record]:
+        """Feed a record the guard let through, past the fast check."""
+        self._horizon = self._step_limit = math.inf
+        try:
+            return self.feed(rec)
+        finally:
+            self._arm()
+
+    def _arm(self) -> None:
+        self._horizon = -math.inf if self.guard.active else self._clock_horizon
+        newest = max(self.corr.job_done, self.corr.max_coll_step)
+        self._step_limit = self.guard.step_limit(newest)
 
     def set_config(self, config: DetectConfig) -> None:
         """Use new thresholds from the next summary on (history is kept)."""
@@ -177,6 +244,9 @@ class Pipeline:
             "steps": self._steps,
             "ticks": self._ticks,
             "verdicts": self._verdicts,
+            "held": self.guard.held,
+            "clock_resets": self.guard.resets,
+            **{f"refused_{why}": n for why, n in self.guard.counts.items()},
         }
 
     def snapshot(self) -> Snapshot:
@@ -258,6 +328,9 @@ class Pipeline:
             records_total=self.records_total,
             rdma_ports=self.fabric.rdma_ports(),
             nccl=self.fabric.nccl(),
+            stream_refused_total=dict(self.guard.counts),
+            clock_resets_total=self.guard.resets,
+            evictions_total=dict(self.corr.evicted),
         )
 
     # ------------------------------------------------------------ handlers
@@ -268,11 +341,16 @@ class Pipeline:
             self.now = t
         if self.now < self._next_tick:
             return []
+        self._clock_horizon = self.now + self.guard.config.ahead_s
+        self._arm()
         first = self._next_tick == -math.inf
         self._next_tick = self.now + self.config.lost.tick_s
         if first:
             return []
         self._ticks += 1
+        if self.now >= self._next_sweep:
+            self._next_sweep = self.now + SWEEP_S
+            self.corr.sweep(self.now)
         out = self._run(self.corr.tick_summary(self.now))
         # A rank just declared lost no longer holds its step back.
         out.extend(self._finalize_ready())

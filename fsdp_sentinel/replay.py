@@ -83,6 +83,7 @@ def replay_readers(
         out = feed(rec)
         if out:
             yield from out
+    yield from pipe.end()  # what the stream guard still held aside
 
 
 def recorded_verdicts(paths: Sequence[str | Path], strict: bool = True) -> list[Record]:

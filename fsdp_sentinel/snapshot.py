@@ -162,6 +162,14 @@ class Snapshot:
     nccl: tuple[NcclView, ...] = ()
     remediation: tuple[RemediationView, ...] = ()
     jobs: tuple[JobView, ...] = ()
+    #: Records the stream guard refused, by reason (fsdp_sentinel.stream).
+    stream_refused_total: dict[str, int] = field(default_factory=dict)
+    #: Sources (ranks, hosts) whose clock jump was taken off their records.
+    clock_resets_total: int = 0
+    #: What the correlator's caps and time-to-live dropped, by kind (correlate.StateLimits).
+    evictions_total: dict[str, int] = field(default_factory=dict)
+    #: The daemon's supervised threads (ingest, pipeline, http): times each was started again.
+    thread_restarts_total: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -74,6 +74,10 @@ SNAP = Snapshot(
     verdicts_total={"network": 1},
     records_total={"step": 36, "coll": 108},
     ingest_messages_total={"accepted": 144, "malformed_json": 3, "refused": 2},
+    stream_refused_total={"clock_ahead": 3, "step_ahead": 1},
+    clock_resets_total=2,
+    evictions_total={"pair": 5, "op": 0},
+    thread_restarts_total={"ingest": 1},
     events_lost_total={"map_eviction": 7, "tracepoint_miss": 0},
     bpf_programs=(BpfProgramView("tracepoint__sock__sock_send_length", 1000, 2_500_000),),
     rdma_ports=(RdmaPortView("fss-h1", "mlx5_0", 1, 4096, 8192, {"symbol_error": 2}),),
@@ -168,6 +172,12 @@ EXPECTED = [
     ("fsdp_sentinel_ingest_messages_total", {"result": "accepted"}, 144.0),
     ("fsdp_sentinel_ingest_messages_total", {"result": "malformed_json"}, 3.0),
     ("fsdp_sentinel_ingest_messages_total", {"result": "refused"}, 2.0),
+    ("fsdp_sentinel_stream_refused_total", {"result": "clock_ahead"}, 3.0),
+    ("fsdp_sentinel_stream_refused_total", {"result": "step_ahead"}, 1.0),
+    ("fsdp_sentinel_clock_resets_total", {}, 2.0),
+    ("fsdp_sentinel_thread_restarts_total", {"thread": "ingest"}, 1.0),
+    ("fsdp_sentinel_state_evictions_total", {"kind": "op"}, 0.0),
+    ("fsdp_sentinel_state_evictions_total", {"kind": "pair"}, 5.0),
     ("fsdp_sentinel_events_lost_total", {"source": "map_eviction"}, 7.0),
     ("fsdp_sentinel_events_lost_total", {"source": "tracepoint_miss"}, 0.0),
     (
@@ -229,7 +239,7 @@ def test_absent_figures_give_no_sample() -> None:
 
 def test_names_units_and_labels_follow_the_conventions() -> None:
     allowed = {"job", "rank", "peer_rank", "host", "op", "cause", "direction", "dev", "le",
-               "kind", "result", "source", "program", "rdma_port", "counter", "version"}  # fmt: skip
+               "kind", "result", "source", "program", "rdma_port", "counter", "version", "thread"}  # fmt: skip
     fams = list(text_string_to_metric_families(text_of(SNAP)))
     for fam in fams:
         assert fam.name.startswith("fsdp_sentinel_")

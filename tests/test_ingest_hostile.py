@@ -126,3 +126,59 @@ def test_the_daemon_with_a_full_disk_trace_still_flags_the_straggler(tmp_path: P
         t.join(timeout=30)
         d.close()
     assert not t.is_alive()
+
+
+def test_a_dead_receive_loop_is_started_again_and_counts_still_add_up(tmp_path: Path) -> None:
+    # on_record raising (a bug downstream) used to end the receive thread
+    # silently: the daemon ran on, deaf. Now the loop is started again.
+    got: list[dict] = []
+
+    def on_record(rec: dict) -> None:
+        if rec["step"] == 2:
+            raise RuntimeError("a bug downstream")
+        got.append(rec)
+
+    path = tmp_path / "s" / "ingest.sock"
+    with (
+        IngestServer(path, on_record) as srv,
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s,
+    ):
+        for step in (1, 2, 3):
+            rec = {"kind": "step", "rank": 0, "step": step, "start": 1.0, "end": 2.0}
+            s.sendto(json.dumps(rec).encode(), str(path))
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r["step"] for r in got] == [1, 3]
+        assert srv.restarts == 1
+        assert srv.received == srv.accepted + srv.dropped_total == 3
+
+
+def test_a_dead_pipeline_loop_is_started_again(tmp_path: Path) -> None:
+    cfg = DaemonConfig(socket_path=str(tmp_path / "run" / "ingest.sock"), metrics_addr=None,
+                       interval=0.05)  # fmt: skip
+    d = Daemon(cfg, pipeline=Pipeline())
+    calls = {"n": 0}
+    real = d._tick
+
+    def tick_dies_once() -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("a bug in the loop")
+        real()
+
+    d._tick = tick_dies_once  # type: ignore[method-assign]
+    d.start()
+    t = threading.Thread(target=d.run)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while calls["n"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert calls["n"] >= 6 and d.restarts == 1
+        assert d.snapshot().thread_restarts_total["pipeline"] == 1
+    finally:
+        d.request_stop()
+        t.join(timeout=30)
+        d.close()
+    assert not t.is_alive()

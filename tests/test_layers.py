@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "trainer": 3,
     # the brain
     "correlate": 2,
+    "stream": 2,
     "fabric": 2,
     "detect": 3,
     "pipeline": 4,

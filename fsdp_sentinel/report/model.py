@@ -326,6 +326,7 @@ def build(records: Iterable[Record], config: DetectConfig | None = None) -> Repo
             step_recs.append(rec)
         elif kind in ("verdict", "action", "fault"):
             getattr(data, kind + "s").append(rec)
+    pipe.end()
     pipe.summarise_pending()
     if lo <= hi:
         data.t0, data.t1 = lo, hi
