@@ -218,6 +218,16 @@ class JobRouter:
     def feed_many(self, recs: Iterable[Record]) -> list[Record]:
         return feed_all(self.feed, recs)
 
+    def end(self) -> list[Record]:
+        """The input ended: every live job's pipeline releases what its stream
+        guard still holds aside (:meth:`Pipeline.end`), stamped with its job."""
+        out: list[Record] = []
+        for job in list(self.jobs.values()):
+            held = job.pipeline.end()
+            if held:
+                out.extend(self._stamp(job, held))
+        return out
+
     def _feed_one(self, job: Job, rec: Record) -> Sequence[Record]:
         out = job.feed(rec)
         job.heard_t = self.now

@@ -44,6 +44,8 @@ class Feeder(Protocol):
 
     def feed(self, rec: Record) -> Sequence[Record]: ...
 
+    def end(self) -> Sequence[Record]: ...
+
 
 def replay_paths(
     paths: Sequence[str | Path],
