@@ -72,6 +72,9 @@ RETIRED_KEPT = 64
 
 _NOTHING: tuple[Record, ...] = ()
 
+#: Rank records' kinds that carry a ``rank`` and name no process of their own.
+_RANK_KEYED = frozenset({"coll", "step", "pending"})
+
 
 @dataclass(slots=True)
 class Job:
@@ -177,6 +180,14 @@ class JobRouter:
             # The hot path (every record from the ingest socket but rank ones).
             job = self._by_pid.get(pid)
             if job is not None and rec.get(_KIND) != "rank":
+                out = job.feed(rec)
+                job.heard_t = self.now
+                return self._stamp(job, out) if out else _NOTHING
+        elif rec.get(_KIND) in _RANK_KEYED:
+            # The hot path of a trace from before host_pid (every captured
+            # trace): the job that announced the rank, as ``_route`` would find.
+            job = self._by_rank.get(rec.get(_RANK))
+            if job is not None:
                 out = job.feed(rec)
                 job.heard_t = self.now
                 return self._stamp(job, out) if out else _NOTHING
