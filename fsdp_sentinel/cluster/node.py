@@ -59,6 +59,17 @@ class NodeWindows:
         if type(seq) is int and seq > p[1]:
             p[1] = seq
 
+    def _open_step(self, rec: Record) -> tuple[int, int] | None:
+        """A ``coll`` or ``step`` record's (step, rank), or None: ill-typed, or
+        of a step already windowed (counted as late)."""
+        step, rank = rec.get("step"), rec.get("rank")
+        if type(step) is not int or type(rank) is not int:
+            return None
+        if step <= self._done:
+            self.late += 1
+            return None
+        return step, rank
+
     def feed(self, rec: Record) -> None:
         """File one record of this node's ranks or probes."""
         kind = rec.get("kind")
@@ -66,21 +77,17 @@ class NodeWindows:
         if type(t) in (int, float) and t > self.now:
             self.now = float(t)
         if kind == "coll":
-            step, rank = rec.get("step"), rec.get("rank")
-            if type(step) is not int or type(rank) is not int:
+            key = self._open_step(rec)
+            if key is None:
                 return
-            if step <= self._done:
-                self.late += 1
-                return
+            step, rank = key
             self._colls.setdefault(step, {}).setdefault(rank, []).append(rec)
             self._touch(rank, rec.get("end"), step, rec.get("seq"))
         elif kind == "step":
-            step, rank = rec.get("step"), rec.get("rank")
-            if type(step) is not int or type(rank) is not int:
+            key = self._open_step(rec)
+            if key is None:
                 return
-            if step <= self._done:
-                self.late += 1
-                return
+            step, rank = key
             self._steps.setdefault(step, {})[rank] = rec
             self._ranks.add(rank)
             self._finalize(step)
