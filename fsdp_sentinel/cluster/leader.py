@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fsdp_sentinel.cluster.summary import StepDigest, Window, rank_steps
-from fsdp_sentinel.correlate import Correlator, RankLiveness, Summary
+from fsdp_sentinel.correlate import Correlator, RankLiveness, StateLimits, Summary
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.fabric import FabricTotals
 from fsdp_sentinel.pipeline import Pipeline
@@ -33,12 +33,19 @@ from fsdp_sentinel.trace import record_time
 
 Record = dict[str, Any]
 
+#: The leader's caps: it keeps every rank of the job (the single daemon's
+#: defaults stop at 4,096 ranks and hosts), up to 131,072, and a flow matrix
+#: of 16 peers a rank.
+LEADER_LIMITS = StateLimits(
+    max_ranks=1 << 17, max_hosts=1 << 17, max_pairs=1 << 21, max_endpoints=1 << 21
+)
+
 
 class LeaderCorrelator(Correlator):
     """A :class:`Correlator` fed step digests instead of ``coll`` records."""
 
-    def __init__(self, flow_window_s: float = 3.0) -> None:
-        super().__init__(flow_window_s)
+    def __init__(self, flow_window_s: float = 3.0, limits: StateLimits | None = None) -> None:
+        super().__init__(flow_window_s, limits=limits or LEADER_LIMITS)
         self.digests: dict[int, list[StepDigest]] = {}
         self.top_seq: dict[int, int] = {}
         self.dark_ranks: frozenset[int] = frozenset()
@@ -130,9 +137,14 @@ class LeaderPipeline(Pipeline):
     step and seq) in time order with the other records, as ``coll`` records
     would have moved the correlator and the clock."""
 
-    def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
+    def __init__(
+        self,
+        config: DetectConfig | None = None,
+        finalize_lag: int = 2,
+        limits: StateLimits | None = None,
+    ) -> None:
         super().__init__(config, finalize_lag)
-        corr = self.lcorr = LeaderCorrelator(self.config.network.flow_window_s)
+        corr = self.lcorr = LeaderCorrelator(self.config.network.flow_window_s, limits)
         self.corr = corr
         self._add_coll = corr.add_coll
         self.fabric = FabricTotals(corr.local_rank)
@@ -151,8 +163,13 @@ class LeaderDetector:
     ``evidence.view = "cluster"``.
     """
 
-    def __init__(self, config: DetectConfig | None = None, finalize_lag: int = 2) -> None:
-        self.pipeline = LeaderPipeline(config, finalize_lag)
+    def __init__(
+        self,
+        config: DetectConfig | None = None,
+        finalize_lag: int = 2,
+        limits: StateLimits | None = None,
+    ) -> None:
+        self.pipeline = LeaderPipeline(config, finalize_lag, limits)
         self.corr = self.pipeline.lcorr
         self.node_ranks: dict[str, set[int]] = {}
         self.node_hosts: dict[str, set[str]] = {}

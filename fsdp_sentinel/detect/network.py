@@ -24,13 +24,12 @@ is carried by its lower rank, with the other end as ``peer_rank``). Pure.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from fsdp_sentinel.correlate import PairFlow, RankStep
 from fsdp_sentinel.detect.config import NetworkConfig
-from fsdp_sentinel.detect.stats import median, median_sorted, rnd
+from fsdp_sentinel.detect.stats import median, median_sorted, median_without_all, rnd
 
 
 class Flow(NamedTuple):
@@ -157,11 +156,7 @@ def _others_median(
     ``everyone``'s sorted figures (None when none is left)."""
     if len(mine) >= len(everyone):
         return None
-    get = key or _srtt
-    rest = everyone.copy()
-    for p in mine:
-        del rest[bisect_left(rest, get(p))]
-    return median_sorted(rest)
+    return median_without_all(everyone, list(map(key or _srtt, mine)))
 
 
 def network_view(
@@ -283,7 +278,11 @@ def _slow_links(
     other flows; a node candidate that such a link explains is not a node.
     Slow links sharing one end make that end a node (into ``node``)."""
     slow: list[tuple[int, int, float]] = []
-    everyone_active = [p for v in between.values() for p in v]
+    n_active = sum(map(len, between.values()))
+    # Every active flow's figures, sorted once: "the rest of the job" for each
+    # link is these without the link's own (a copy per link was quadratic).
+    everyone: list[float] | None = None
+    everyone_new: list[float] = []
     for (a, b), mine in between.items():
         if len({(p.rank, p.peer) for p in mine}) < 2:
             continue  # data one way only: one flow is too little to blame a cable
@@ -292,9 +291,8 @@ def _slow_links(
             # a host already: the verdict stays put.
             continue
         ids = {id(p) for p in mine}
-        others = [p for p in everyone_active if id(p) not in ids]
         rests = [[p for p in touching[end] if id(p) not in ids] for end in (a, b)]
-        if not others or not all(rests):
+        if len(mine) >= n_active or not all(rests):
             continue  # an end with no other flow: host or link cannot be told
         low = min(map(_srtt, mine))
         low_new = min(map(_newest, mine))
@@ -306,8 +304,13 @@ def _slow_links(
         ends_ok = all(low >= cfg.net_ratio * median(list(map(_srtt, r))) for r in rests)
         if not ends_ok:
             continue
-        by_median = low >= cfg.net_ratio * median(list(map(_srtt, others)))
-        by_newest = low_new >= cfg.net_fast_ratio * median(list(map(_newest, others))) and all(
+        if everyone is None:
+            everyone = sorted(_srtt(p) for v in between.values() for p in v)
+            everyone_new = sorted(_newest(p) for v in between.values() for p in v)
+        others_med = median_without_all(everyone, list(map(_srtt, mine)))
+        others_new = median_without_all(everyone_new, list(map(_newest, mine)))
+        by_median = low >= cfg.net_ratio * others_med
+        by_newest = low_new >= cfg.net_fast_ratio * others_new and all(
             low_new >= cfg.net_ratio * median(list(map(_newest, r))) for r in rests
         )
         if by_median or by_newest:

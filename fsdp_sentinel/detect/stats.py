@@ -32,6 +32,36 @@ def median_without(ordered: list[float], value: float) -> float:
     return (lower + upper) / 2.0
 
 
+def median_without_all(ordered: Sequence[float], values: Sequence[float]) -> float:
+    """The median of sorted ``ordered`` with one occurrence of each of ``values`` left out
+    (each must be in it; fewer than ``len(ordered)`` of them).
+
+    Equals ``median`` of that shorter list (the same elements are read), in
+    O(k log n) for k values instead of a copy of the whole list per call
+    (quadratic when every rank asks for the median of the others' flows).
+    """
+    # Where each left-out value sits: its leftmost place, one further per repeat.
+    gone: list[int] = []
+    prev: float | None = None
+    at = 0
+    for v in sorted(values):
+        at = at + 1 if v == prev else bisect_left(ordered, v)
+        prev = v
+        gone.append(at)
+    n = len(ordered) - len(gone)
+    mid = n // 2
+
+    def kept(i: int) -> float:  # the i-th element that is left (0-based)
+        for g in gone:
+            if g <= i:
+                i += 1
+            else:
+                break
+        return ordered[i]
+
+    return kept(mid) if n % 2 else (kept(mid - 1) + kept(mid)) / 2.0
+
+
 def median_sorted(ordered: Sequence[float]) -> float:
     """``median`` of values already in ascending order (no copy, no sort)."""
     n = len(ordered)
