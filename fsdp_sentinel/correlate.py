@@ -431,7 +431,17 @@ def _as_index(name: str, value: Any) -> int:
     return value
 
 
-class _Columns(NamedTuple):
+# ------------------------------------------------------------ step columns
+#
+# One rank's collectives of one step as columns, and what they say: its
+# lateness inputs (waits), its time blocked, its newest seq. Public because
+# cluster mode's node daemons (``cluster.summary.digest_step``) digest their
+# ranks' collectives with the very functions the correlator's step summary
+# uses, which is what makes the leader's figures the single daemon's to the
+# last bit.
+
+
+class CollColumns(NamedTuple):
     """One rank's collectives in one step, a sequence per field (duplicates
     dropped). ``ops`` and ``nbytes`` are checked only when they are added to
     the rank's totals (:meth:`_Rank.add_ops`)."""
@@ -445,8 +455,9 @@ class _Columns(NamedTuple):
     nbytes: Sequence[Any]
 
 
-def _columns(colls: list[Record]) -> _Columns:
-    """Columns of ``colls``; raises (KeyError, TypeError) on a bad record."""
+def coll_columns(colls: list[Record]) -> CollColumns:
+    """Columns of ``colls`` (not empty); raises (KeyError, TypeError, ValueError,
+    AttributeError) on a bad record (:func:`step_columns` drops it instead)."""
     try:
         seqs, issues, ends, ops, nbytes = zip(*map(_FIELDS, colls), strict=True)
     except KeyError:
@@ -468,10 +479,10 @@ def _columns(colls: list[Record]) -> _Columns:
             tuple(col[i] for i in idx) for col in (keys, issues, ends, ops, nbytes)
         )
     waits = list(map(sub, ends, issues))  # TypeError unless both are numbers
-    return _Columns(keys, issues, ends, waits, reduce(add, waits, 0.0), ops, nbytes)
+    return CollColumns(keys, issues, ends, waits, reduce(add, waits, 0.0), ops, nbytes)
 
 
-def _top_seq(keys: Sequence[Any]) -> int:
+def top_seq(keys: Sequence[Any]) -> int:
     """The newest ``seq`` among a step's collective keys (``seq`` or ``(group, seq)``)."""
     try:
         if type(keys[0]) is tuple:
@@ -481,21 +492,39 @@ def _top_seq(keys: Sequence[Any]) -> int:
         return -1  # an ill-typed seq: counted elsewhere, says nothing here
 
 
-def _coll_ok(rec: Record) -> bool:
+def coll_ok(rec: Record) -> bool:
+    """Whether one ``coll`` record makes columns (every field the summary reads is sound)."""
     try:
-        _columns([rec])
+        coll_columns([rec])
     except (KeyError, TypeError, ValueError, AttributeError):
         return False
     return True
 
 
-def _blocked(cols: _Columns) -> float:
+def step_columns(colls: list[Record]) -> tuple[CollColumns | None, int]:
+    """``(columns, records dropped)``: the columns of ``colls`` with every record
+    that has a missing or ill-typed field left out (None when none is left)."""
+    try:
+        return coll_columns(colls), 0
+    except (KeyError, TypeError, ValueError, AttributeError):
+        good = [c for c in colls if coll_ok(c)]
+        return (coll_columns(good) if good else None), len(colls) - len(good)
+
+
+def blocked_s(cols: CollColumns) -> float:
     """Time blocked in collectives: the length of the union of their intervals."""
     # A rank's collectives usually run one after another: then the union is
     # the plain sum of the waits, added left to right as the merge would.
     if min(cols.waits) >= 0.0 and all(map(gt, islice(cols.issues, 1, None), cols.ends)):
         return cols.total_wait
     return _merged_length(list(zip(cols.issues, cols.ends, strict=True)))
+
+
+# The names the correlator's own code (and its history) uses.
+_Columns = CollColumns
+_columns = coll_columns
+_top_seq = top_seq
+_blocked = blocked_s
 
 
 class Correlator:
@@ -1045,12 +1074,9 @@ class Correlator:
 
     def _columns(self, colls: list[Record]) -> _Columns | None:
         """``colls`` as columns; records with a missing or ill-typed field dropped."""
-        try:
-            return _columns(colls)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            good = [c for c in colls if _coll_ok(c)]
-            self.malformed += len(colls) - len(good)
-            return _columns(good) if good else None
+        cols, bad = step_columns(colls)
+        self.malformed += bad
+        return cols
 
     def tick_summary(self, now: float) -> Summary:
         summary = self._summary(now, None, ())

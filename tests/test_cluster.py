@@ -63,7 +63,7 @@ def test_digests_rebuild_the_correlators_rank_steps(aligned: bool, per_node: int
     ranks = 6
     corr = Correlator()
     by_node: dict[int, dict[int, list[dict]]] = {}
-    step_s = {}
+    steps_of: dict[int, dict[int, dict]] = {}
     for r in range(ranks):
         keys: list = list(range(10, 18))
         if not aligned:  # two process groups, and one rank missing a collective
@@ -73,14 +73,19 @@ def test_digests_rebuild_the_correlators_rank_steps(aligned: bool, per_node: int
         colls = _colls(rng, r, 3, keys, skew=0.03 if r == 2 else 0.0)
         for c in colls:
             corr.add_coll(c)
-        corr.add_step({"rank": r, "step": 3, "start": 99.0, "end": 103.5 + r * 0.01})
-        step_s[r] = 103.5 + r * 0.01 - 99.0
+        srec = {"rank": r, "step": 3, "start": 99.0, "end": 103.5 + r * 0.01}
+        corr.add_step(srec)
         by_node.setdefault(r // per_node, {})[r] = colls
+        steps_of.setdefault(r // per_node, {})[r] = srec
+    # A rank with a step record and no collectives, as the correlator sees it.
+    lone = {"rank": ranks, "step": 3, "start": 99.5, "end": 103.0}
+    corr.add_step(lone)
+    steps_of[ranks // per_node + 1] = {ranks: lone}
     want = corr.step_summary(3, 110.0).ranks
-    digests = [CS.digest_step(3, colls) for colls in by_node.values()]
+    digests = [CS.digest_step(3, by_node.get(n, {}), steps_of[n]) for n in steps_of]
     # Through the wire form too: what the leader reads is what was sent.
     w = CS.Window("n", 0, 1.0, (), tuple(digests), (), ())
-    got = CS.rank_steps(CS.decode(CS.encode(w)).digests, step_s)
+    got = CS.rank_steps(CS.decode(CS.encode(w)).digests)
     if aligned:
         assert got == want  # to the last bit
     else:
@@ -89,6 +94,7 @@ def test_digests_rebuild_the_correlators_rank_steps(aligned: bool, per_node: int
             assert g.late_s == pytest.approx(e.late_s, abs=1e-12)
             assert g.last_frac == e.last_frac and g.wait_s == e.wait_s
     assert max(got, key=lambda rs: rs.late_s).rank == 2
+    assert got[-1].rank == ranks and got[-1].n_coll == 0 and got[-1].step_s == 3.5
 
 
 def test_window_bytes_grow_with_ranks_not_with_collectives_per_node() -> None:
@@ -114,10 +120,12 @@ def test_a_node_holds_step_records_back_until_their_digest_goes() -> None:
     nw.feed({"kind": "step", "rank": 0, "step": 0, "start": 99.0, "end": 101.0})
     w = nw.window()
     assert not w.digests and not [r for r in w.records if r["kind"] == "step"]
-    nw.feed({"kind": "step", "rank": 1, "step": 0, "start": 99.0, "end": 101.0})
+    nw.feed({"kind": "step", "rank": 1, "step": 0, "start": 99.0, "end": 101.5})
     w = nw.window()
     assert [d.step for d in w.digests] == [0]
-    assert sorted(r["rank"] for r in w.records if r["kind"] == "step") == [0, 1]
+    # The step records travel inside the digest, as its columns.
+    assert not [r for r in w.records if r["kind"] == "step"]
+    assert list(CS.step_times(w.digests[0])) == [(0, 99.0, 101.0), (1, 99.0, 101.5)]
     # A record of a step already sent is late: dropped and counted.
     nw.feed({"kind": "step", "rank": 1, "step": 0, "start": 99.0, "end": 101.0})
     assert nw.late == 1
@@ -218,6 +226,15 @@ def test_election_rank_zeros_node_leads_then_the_next_by_lowest_rank() -> None:
 
 def test_a_window_that_is_not_one_is_a_clear_error() -> None:
     for bad in (b"", b"[]", b'{"node": 1}', b"\xff"):
+        with pytest.raises(ValueError, match="not a cluster window"):
+            CS.decode(bad)
+    rng = random.Random(3)
+    d = CS.digest_step(0, {r: _colls(rng, r, 0, [0, 1, 2], 0.0) for r in range(3)})
+    good = CS.encode(CS.Window("n", 0, 0.0, (), (d,), (), ()))
+    assert CS.decode(good).digests[0].ranks == [0, 1, 2]
+    # Cut short, one byte too many, a rank's group out of range.
+    wrong_group = CS.encode(CS.Window("n", 0, 0.0, (), (d._replace(group=[0, 0, 5]),), (), ()))
+    for bad in (good[:-1], good + b"\0", wrong_group):
         with pytest.raises(ValueError, match="not a cluster window"):
             CS.decode(bad)
 

@@ -24,7 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from fsdp_sentinel.cluster.summary import StepDigest, Window, rank_steps
+from fsdp_sentinel.cluster.summary import (
+    StepDigest,
+    Window,
+    group_top_seqs,
+    rank_steps,
+    step_times,
+)
 from fsdp_sentinel.correlate import Correlator, RankLiveness, StateLimits, Summary
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.fabric import FabricTotals
@@ -42,32 +48,75 @@ LEADER_LIMITS = StateLimits(
 
 
 class LeaderCorrelator(Correlator):
-    """A :class:`Correlator` fed step digests instead of ``coll`` records."""
+    """A :class:`Correlator` fed step digests instead of ``coll`` and ``step`` records.
+
+    A node's digest of a step reaches it as one ``step`` record that carries
+    the digest (``digest``: see :meth:`LeaderDetector.ingest`): its ranks'
+    step times are filed together, and the step summary is built from the
+    digests' columns (:func:`~fsdp_sentinel.cluster.summary.rank_steps`), so
+    no per-rank record, dict or column is made for them. The leader's own
+    per-rank totals (the snapshot's) are not kept: each node daemon exports
+    its own ranks.
+    """
 
     def __init__(self, flow_window_s: float = 3.0, limits: StateLimits | None = None) -> None:
         super().__init__(flow_window_s, limits=limits or LEADER_LIMITS)
         self.digests: dict[int, list[StepDigest]] = {}
+        self.step_filed: dict[int, set[int]] = {}  # step -> ranks whose step record is filed
         self.top_seq: dict[int, int] = {}
         self.dark_ranks: frozenset[int] = frozenset()
         self.dark_hosts: frozenset[str] = frozenset()
 
     def add_digest(self, d: StepDigest) -> None:
         if d.step <= self.summarised:
-            self.late_records += sum(rd.n_coll for rd in d.ranks)
+            self.late_records += sum(d.n_coll)
             return
         self.digests.setdefault(d.step, []).append(d)
         self.malformed += d.malformed
+        step = d.step
         top = self.top_seq
-        for rd in d.ranks:
-            rs = self.rank_of(rd.rank)
-            if rs.first_step is None or d.step < rs.first_step:
-                rs.first_step = d.step
-            if d.step > rs.max_coll_step:
-                rs.max_coll_step = d.step
-                if d.step > self.max_coll_step:
-                    self.max_coll_step = d.step
-            if rd.top_seq > top.get(rd.rank, -1):
-                top[rd.rank] = rd.top_seq
+        tops = group_top_seqs(d)
+        ranks = self.ranks
+        for rank, n, g in zip(d.ranks, d.n_coll, d.group, strict=True):
+            rs = ranks.get(rank) or self.rank_of(rank)
+            if rs.first_step is None or step < rs.first_step:
+                rs.first_step = step
+            if not n:
+                continue
+            if step > rs.max_coll_step:
+                rs.max_coll_step = step
+            seq = tops[g]
+            if seq > top.get(rank, -1):
+                top[rank] = seq
+        if step > self.max_coll_step and any(d.n_coll):
+            self.max_coll_step = step
+
+    def add_step(self, rec: Record) -> tuple[Any, int]:
+        """A ``step`` record; one that carries a node's digest files all its ranks' at once."""
+        d: StepDigest | None = rec.get("digest")
+        if d is None:
+            return super().add_step(rec)
+        step = d.step
+        filed = self.step_filed.setdefault(step, set())
+        before = len(filed)
+        ranks = self.ranks
+        rs: Any = None
+        for rank, _start, end in step_times(d):
+            rs = ranks.get(rank) or self.rank_of(rank)
+            filed.add(rank)
+            if end > rs.last_t:
+                rs.last_t = end
+            if rs.first_step is None or step < rs.first_step:
+                rs.first_step = step
+            if step > rs.done_step:
+                if rs.done_step < 0:
+                    self._busy(rs)
+                rs.done_step = step
+        if len(filed) > before:
+            self._reports[step] = self._reports.get(step, 0) + len(filed) - before
+        if step > self.job_done:
+            self.job_done = step
+        return rs, step
 
     def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
         """A node's word on its rank: last heard, newest step and seq with collectives."""
@@ -82,22 +131,32 @@ class LeaderCorrelator(Correlator):
             self.top_seq[rank] = top_seq
 
     def pending_steps(self) -> list[int]:
-        return sorted(set(super().pending_steps()) | set(self.digests))
+        return sorted(set(super().pending_steps()) | set(self.digests) | set(self.step_filed))
 
     def step_summary(self, step: int, now: float) -> Summary:
-        # The base files the step records away (and keeps its books); the
-        # collective figures then come from the digests.
-        base = super().step_summary(step, now)
+        if step > self.summarised:
+            self.summarised = step
         digests = self.digests.pop(step, [])
+        self.step_filed.pop(step, None)
+        # Anything older than this step that is still filed arrived too late.
+        reports = self._reports
+        for old in [s for s in reports if s <= step]:
+            del reports[old]
+        for old in [s for s in self.step_filed if s < step]:
+            self.late_records += len(self.step_filed.pop(old))
         for old in [s for s in self.digests if s < step]:
-            self.late_records += sum(rd.n_coll for d in self.digests.pop(old) for rd in d.ranks)
-        ranks = rank_steps(digests, {rs.rank: rs.step_s for rs in base.ranks})
-        for r in ranks:
-            rs = self.rank_of(r.rank)
+            self.late_records += sum(sum(d.n_coll) for d in self.digests.pop(old))
+        out = rank_steps(digests)
+        ranks = self.ranks
+        for r in out:
+            rs = ranks[r.rank]
             rs.last = r
-            if r.step_s is not None:
-                rs.wait_seconds_total += min(r.wait_s, r.step_s)
-        return base._replace(ranks=ranks)
+            st = r.step_s
+            if st is not None:
+                rs.steps_total += 1
+                rs.step_seconds_total += st
+                rs.wait_seconds_total += min(r.wait_s, st)
+        return self._summary(now, step, out)
 
     def newest_seq(self, rs: Any) -> int:
         return max(super().newest_seq(rs), self.top_seq.get(rs.rank, -1))
@@ -190,6 +249,14 @@ class LeaderDetector:
             hosts = self.node_hosts.setdefault(w.node, set())
             for d in w.digests:
                 corr.add_digest(d)
+                # The node's step records of the step, as one record at the
+                # newest one's end (when the last of them would have come).
+                ends = [e for e in d.end if e == e]
+                if ends:
+                    recs.append(
+                        {"kind": "step", "rank": d.ranks[0], "step": d.step, "start": max(ends),
+                         "end": max(ends), "digest": d}
+                    )  # fmt: skip
             for rank, t, step, seq in w.progress:
                 ranks.add(rank)
                 # Known from its window on, as a single daemon knows a rank

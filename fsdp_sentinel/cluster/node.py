@@ -6,8 +6,8 @@ end of a step they become a :class:`~fsdp_sentinel.cluster.summary.StepDigest`.
 A step is complete on the node when every local rank sent its ``step`` record
 for it, or one of them is ``finalize_lag`` steps further on (a rank whose
 record was lost holds nobody back), the pipeline's own rule. A step's
-``step`` records are held back until its digest goes out with them, so the
-leader never summarises a step before it has every node's collectives of it.
+``step`` records are held back and go inside its digest, so the leader never
+summarises a step before it has every node's collectives of it.
 
 Probe ``netdev`` records are not forwarded: only the time of each host's
 probe polls is (``Window.heard``: what silent-loss detection reads, and what
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_sentinel.cluster.summary import StepDigest, Window, digest_step
+from fsdp_sentinel.cluster.summary import StepDigest, Window, digest_step, step_times
 
 Record = dict[str, Any]
 
@@ -112,8 +112,8 @@ class NodeWindows:
         for s in sorted(set(self._steps) | set(self._colls)):
             if s > last:
                 break
-            self._digests.append(digest_step(s, self._colls.pop(s, {})))
-            self._out.extend(self._steps.pop(s, {}).values())
+            # The step records go inside the digest (as its start/end columns).
+            self._digests.append(digest_step(s, self._colls.pop(s, {}), self._steps.pop(s, {})))
             self._done = s
 
     def window(self, now: float | None = None) -> Window:
@@ -123,7 +123,7 @@ class NodeWindows:
             self.now = now
         # A step whose step record goes in this window needs no progress point
         # (the record's end is later than its collectives; the digest has its seq).
-        sent = {(r["rank"], r["step"]) for r in self._out if r.get("kind") == "step"}
+        sent = {(r, d.step) for d in self._digests for r, _s, _e in step_times(d)}
         progress = tuple(
             (r, p[0], s, p[1]) for (r, s), p in sorted(self._progress.items()) if (r, s) not in sent
         )

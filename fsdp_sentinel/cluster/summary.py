@@ -14,68 +14,82 @@ and per rank only its total wait, its time blocked, and the positions where
 it was the node's last to arrive. Ranks with the same collectives in the
 same order (FSDP's usual case) share one :class:`KeyGroup`.
 
+A digest is *columnar*: one sequence per figure, one entry per rank, and it
+carries the ranks' ``step`` records too (their start and end), so the
+leader files a node's whole step at once and never sees a per-rank record
+or dict for it (``bench/leader_scale``: the leader's cost per window is
+linear in ranks).
+
 A :class:`Window` is what one node publishes at one interval: the digests of
-the steps it completed, its ranks' small records (``rank``, ``step``,
-``flow``, ``conn``, ``pending``; the leader resolves flows to peers by their
+the steps it completed, its ranks' few other records (``rank``, ``flow``,
+``conn``, ``pending``; the leader resolves flows to peers by their
 endpoints, across nodes, with the ranks' own ``addrs`` and local endpoints),
 each host's newest probe time, and each rank's progress (last heard, newest
-step and seq with collectives), for liveness. :func:`encode` makes it compact
-JSON; its length is the store traffic (``bench/leader_scale`` prints it).
+step and seq with collectives), for liveness. :func:`encode` packs it: a
+small JSON head for those records, then every digest's columns as raw
+little-endian 64-bit floats and 32-bit integers; its length is the store
+traffic (``bench/leader_scale`` prints it).
 """
 
 from __future__ import annotations
 
+import math
+import struct
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from functools import reduce
-from operator import add, le
+from operator import add, itemgetter, le
 from typing import Any, NamedTuple
 
 import orjson
 
-from fsdp_sentinel.correlate import RankStep, _blocked, _coll_ok, _columns, _top_seq
+from fsdp_sentinel.correlate import RankStep, blocked_s, step_columns, top_seq
 
 Record = dict[str, Any]
+
+#: A step record's start and end when a rank sent none (its digest entry holds
+#: only collectives): NaN, which compares unequal to itself.
+NO_TIME = math.nan
 
 
 class KeyGroup(NamedTuple):
     """Ranks of one node that issued the same collectives (``keys``) in one step.
 
     ``longest`` / ``shortest``: per key, the longest and shortest wait among
-    ``ranks`` (the node's share of the group-wide extremes).
+    its ``size`` ranks (the node's share of the group-wide extremes).
     """
 
     keys: tuple[Any, ...]
     longest: tuple[float, ...]
     shortest: tuple[float, ...]
-    ranks: tuple[int, ...]
-
-
-class RankDigest(NamedTuple):
-    """One rank's collectives in one step, as far as detection needs them.
-
-    ``wait_s``: time blocked (union of intervals); ``total_wait``: the plain
-    sum of its waits; ``local_late``: its lateness against its node's group
-    only (``sum(longest) - total_wait``); ``last_ix``: the key positions at
-    which it waited least on its node; ``group``: its :class:`KeyGroup`'s index.
-    """
-
-    rank: int
-    wait_s: float
-    total_wait: float
-    local_late: float
-    last_ix: tuple[int, ...]
-    n_coll: int
-    group: int
-    top_seq: int
+    size: int
 
 
 class StepDigest(NamedTuple):
-    """A node's collectives of one step: its key groups and its ranks; ``malformed``
-    counts coll records dropped for a bad field (as the correlator would)."""
+    """A node's collectives and step records of one step, one column per figure.
+
+    Entry ``i`` of each column is rank ``ranks[i]`` (ascending): ``wait_s``
+    its time blocked (union of intervals), ``total_wait`` the plain sum of
+    its waits, ``n_coll`` its collectives (0: it sent only a step record),
+    ``group`` its :class:`KeyGroup`'s index (-1 without collectives),
+    ``start`` / ``end`` its step record's (:data:`NO_TIME` without one);
+    ``last_n[i]`` key positions at which it waited least on its node, all of
+    them in ``last_ix`` one rank after another. ``malformed`` counts records
+    dropped for a bad field (as the correlator would).
+    """
 
     step: int
     groups: tuple[KeyGroup, ...]
-    ranks: tuple[RankDigest, ...]
+    ranks: Sequence[int]
+    wait_s: Sequence[float]
+    total_wait: Sequence[float]
+    n_coll: Sequence[int]
+    group: Sequence[int]
+    start: Sequence[float]
+    end: Sequence[float]
+    last_n: Sequence[int]
+    last_ix: Sequence[int]
     malformed: int = 0
 
 
@@ -96,122 +110,181 @@ class Window(NamedTuple):
     heard: tuple[tuple[str, float, float], ...]
 
 
-def digest_step(step: int, colls_by_rank: Mapping[int, list[Record]]) -> StepDigest:
-    """Digest one node's ``coll`` records of ``step`` (rank -> its records)."""
+def _time(v: Any) -> float | None:
+    # A step record's start or end as the correlator takes it: a number.
+    return float(v) if type(v) is float or type(v) is int else None
+
+
+def digest_step(
+    step: int,
+    colls_by_rank: Mapping[int, list[Record]],
+    steps_by_rank: Mapping[int, Record] | None = None,
+) -> StepDigest:
+    """Digest one node's ``coll`` and ``step`` records of ``step`` (rank -> its records)."""
     bad = 0
     cols_of: dict[int, Any] = {}
     for rank in sorted(colls_by_rank):
         colls = colls_by_rank[rank]
-        if not colls:
-            continue
-        try:
-            cols_of[rank] = _columns(colls)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            good = [c for c in colls if _coll_ok(c)]
-            bad += len(colls) - len(good)
-            if good:
-                cols_of[rank] = _columns(good)
+        if colls:
+            cols, dropped = step_columns(colls)
+            bad += dropped
+            if cols is not None:
+                cols_of[rank] = cols
+    times: dict[int, tuple[float, float]] = {}
+    for rank, rec in (steps_by_rank or {}).items():
+        t0, t1 = _time(rec.get("start")), _time(rec.get("end"))
+        if t0 is None or t1 is None:
+            bad += 1  # the single daemon refuses it as malformed too
+        else:
+            times[rank] = (t0, t1)
     by_keys: dict[tuple[Any, ...], list[int]] = {}
     for rank, cols in cols_of.items():
         by_keys.setdefault(tuple(cols.keys), []).append(rank)
     groups: list[KeyGroup] = []
-    ranks: list[RankDigest] = []
+    # rank -> (wait_s, total_wait, n_coll, group, last positions)
+    figures: dict[int, tuple[float, float, int, int, list[int]]] = {}
     for gi, (keys, members) in enumerate(by_keys.items()):
         by_coll = list(zip(*[cols_of[r].waits for r in members], strict=True))
-        longest = tuple(map(max, by_coll))
         shortest = tuple(map(min, by_coll))
-        groups.append(KeyGroup(keys, longest, shortest, tuple(members)))
-        top = reduce(add, longest, 0.0)
+        groups.append(KeyGroup(keys, tuple(map(max, by_coll)), shortest, len(members)))
         for r in members:
             cols = cols_of[r]
-            last_ix = tuple(i for i, hit in enumerate(map(le, cols.waits, shortest)) if hit)
-            ranks.append(
-                RankDigest(
-                    r,
-                    _blocked(cols),
-                    cols.total_wait,
-                    top - cols.total_wait,
-                    last_ix,
-                    len(cols.waits),
-                    gi,
-                    _top_seq(cols.keys),
-                )
-            )
-    ranks.sort()
-    return StepDigest(step, tuple(groups), tuple(ranks), bad)
+            last = [i for i, hit in enumerate(map(le, cols.waits, shortest)) if hit]
+            figures[r] = (blocked_s(cols), cols.total_wait, len(cols.waits), gi, last)
+    ranks = sorted(set(figures) | set(times))
+    wait: list[float] = []
+    total: list[float] = []
+    n_coll: list[int] = []
+    group: list[int] = []
+    start: list[float] = []
+    end: list[float] = []
+    last_n: list[int] = []
+    last_ix: list[int] = []
+    none: tuple[float, float, int, int, list[int]] = (0.0, 0.0, 0, -1, [])
+    for r in ranks:
+        w, tw, n, g, last = figures.get(r, none)
+        s, e = times.get(r, (NO_TIME, NO_TIME))
+        wait.append(w)
+        total.append(tw)
+        n_coll.append(n)
+        group.append(g)
+        start.append(s)
+        end.append(e)
+        last_n.append(len(last))
+        last_ix.extend(last)
+    return StepDigest(
+        step, tuple(groups), ranks, wait, total, n_coll, group, start, end, last_n, last_ix, bad
+    )
 
 
-def rank_steps(
-    digests: Iterable[StepDigest], step_s: Mapping[int, float | None]
-) -> tuple[RankStep, ...]:
+def step_times(d: StepDigest) -> Iterable[tuple[int, float, float]]:
+    """``(rank, start, end)`` of every step record in ``d``."""
+    return ((r, s, e) for r, s, e in zip(d.ranks, d.start, d.end, strict=True) if e == e)
+
+
+_FIRST = itemgetter(0)
+
+
+def rank_steps(digests: Sequence[StepDigest]) -> tuple[RankStep, ...]:
     """Every rank's :class:`RankStep` of one step, from every node's digest of it.
 
-    ``step_s``: each rank's step time from its ``step`` record (a rank with
+    A rank's step time comes from its step record in the digest (a rank with
     collectives but no step record gets None, as in the correlator). When
     every rank issued the same keys (FSDP's usual case) the figures are the
     correlator's to the last bit: the same maxima, summed in the same order.
     """
-    groups: list[KeyGroup] = []
-    members: list[tuple[RankDigest, KeyGroup]] = []
-    for d in digests:
-        base = len(groups)
-        groups.extend(d.groups)
-        for rd in d.ranks:
-            members.append((rd, groups[base + rd.group]))
-    out: dict[int, RankStep] = {}
+    groups = [g for d in digests for g in d.groups]
+    with_colls = sum(g.size for g in groups)
+    out: list[RankStep] = []
     keys0 = groups[0].keys if groups else None
-    if len(members) >= 2 and all(g.keys == keys0 for g in groups):
+    if with_colls >= 2 and all(g.keys == keys0 for g in groups):
         longest = list(map(max, zip(*[g.longest for g in groups], strict=True)))
         shortest = list(map(min, zip(*[g.shortest for g in groups], strict=True)))
         top = reduce(add, longest, 0.0)
-        for rd, g in members:
-            nmin = g.shortest
-            last = sum(1 for i in rd.last_ix if nmin[i] <= shortest[i])
-            out[rd.rank] = _rank_step(rd, step_s, max(0.0, top - rd.total_wait), last, rd.n_coll)
+        for d in digests:
+            # Per key: did the node's last-to-arrive arrive last job-wide too?
+            hits = [list(map(le, g.shortest, shortest)) for g in d.groups]
+            _aligned(d, hits, top, out)
     else:
-        span: dict[Any, list[float]] = {}  # key -> [longest, shortest, ranks]
-        for g in groups:
-            n = float(len(g.ranks))
-            for k, hi, lo in zip(g.keys, g.longest, g.shortest, strict=True):
-                s = span.get(k)
-                if s is None:
-                    span[k] = [hi, lo, n]
-                else:
-                    s[0] = max(s[0], hi)
-                    s[1] = min(s[1], lo)
-                    s[2] += n
-        for rd, g in members:
-            late = rd.local_late if len(g.ranks) >= 2 else 0.0
+        _unaligned(digests, groups, out)
+    out.sort(key=_FIRST)
+    return tuple(out)
+
+
+def _aligned(d: StepDigest, hits: list[list[bool]], top: float, out: list[RankStep]) -> None:
+    """:func:`rank_steps` of one node's ranks when every group's keys are the same."""
+    at = 0
+    ix = d.last_ix
+    for r, w, tw, n, g, s, e, k in zip(
+        d.ranks, d.wait_s, d.total_wait, d.n_coll, d.group, d.start, d.end, d.last_n, strict=True
+    ):
+        st = (e - s) if e == e else None
+        compute = None if st is None else max(0.0, st - w)
+        if n:
+            hit = hits[g]
+            last = sum(hit[i] for i in ix[at : at + k]) if k else 0
+            at += k
+            late = top - tw
+            out.append(RankStep(r, st, w, compute, late if late > 0.0 else 0.0, last / n, n, n))
+        else:
+            out.append(RankStep(r, st, 0.0, compute, 0.0, 0.0, 0, 0))
+
+
+def _unaligned(digests: Sequence[StepDigest], groups: list[KeyGroup], out: list[RankStep]) -> None:
+    """:func:`rank_steps` when ranks issued different keys (process groups, a
+    collective missing): each key's extremes over every node's groups."""
+    span: dict[Any, list[float]] = {}  # key -> [longest, shortest, ranks]
+    for g in groups:
+        n = float(g.size)
+        for k, hi, lo in zip(g.keys, g.longest, g.shortest, strict=True):
+            sp = span.get(k)
+            if sp is None:
+                span[k] = [hi, lo, n]
+            else:
+                sp[0] = max(sp[0], hi)
+                sp[1] = min(sp[1], lo)
+                sp[2] += n
+    for d in digests:
+        tops = [reduce(add, g.longest, 0.0) for g in d.groups]
+        at = 0
+        for r, w, tw, n, gi, s, e, k in zip(
+            d.ranks, d.wait_s, d.total_wait, d.n_coll, d.group, d.start, d.end, d.last_n,
+            strict=True,
+        ):  # fmt: skip
+            st = (e - s) if e == e else None
+            compute = None if st is None else max(0.0, st - w)
+            if not n:
+                out.append(RankStep(r, st, 0.0, compute, 0.0, 0.0, 0, 0))
+                continue
+            g = d.groups[gi]
+            late = (tops[gi] - tw) if g.size >= 2 else 0.0
             matched = last = 0
-            ix = set(rd.last_ix)
-            for i, (k, hi, lo) in enumerate(zip(g.keys, g.longest, g.shortest, strict=True)):
-                s = span[k]
-                if s[2] < 2:
+            ix = set(d.last_ix[at : at + k])
+            at += k
+            for i, (key, hi, lo) in enumerate(zip(g.keys, g.longest, g.shortest, strict=True)):
+                sp = span[key]
+                if sp[2] < 2:
                     continue
                 matched += 1
-                late += s[0] - hi
-                if i in ix and lo <= s[1]:
+                late += sp[0] - hi
+                if i in ix and lo <= sp[1]:
                     last += 1
-            out[rd.rank] = _rank_step(rd, step_s, late, last, matched)
-    for rank, st in step_s.items():
-        if rank not in out:
-            compute = None if st is None else max(0.0, st)
-            out[rank] = RankStep(rank, st, 0.0, compute, 0.0, 0.0, 0, 0)
-    return tuple(out[r] for r in sorted(out))
+            out.append(
+                RankStep(r, st, w, compute, late, (last / matched) if matched else 0.0, matched, n)
+            )
 
 
-def _rank_step(
-    rd: RankDigest, step_s: Mapping[int, float | None], late: float, last: int, matched: int
-) -> RankStep:
-    st = step_s.get(rd.rank)
-    compute = None if st is None else max(0.0, st - rd.wait_s)
-    return RankStep(
-        rd.rank, st, rd.wait_s, compute, late, (last / matched) if matched else 0.0, matched,
-        rd.n_coll,
-    )  # fmt: skip
+def group_top_seqs(d: StepDigest) -> list[int]:
+    """Each group's newest seq (every member's, as they issued the same keys)."""
+    return [top_seq(g.keys) for g in d.groups]
 
 
 # ------------------------------------------------------------ wire form
+
+#: The first bytes of a packed window (a version: a format change is a new magic).
+MAGIC = b"FSW2"
+_HEAD = struct.Struct("<4sI")
+_SWAP = sys.byteorder != "little"
 
 
 def _keys_out(keys: Sequence[Any]) -> Any:
@@ -229,67 +302,136 @@ def _keys_in(obj: Any) -> tuple[Any, ...]:
     return tuple(tuple(k) if isinstance(k, list) else k for k in obj)
 
 
+def _pack(code: str, values: Sequence[Any]) -> bytes:
+    a = array(code, values)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+class _Reader:
+    """Columns read one after another from a packed window's body."""
+
+    def __init__(self, data: bytes, at: int) -> None:
+        self.view = memoryview(data)
+        self.at = at
+
+    def take(self, code: str, n: int) -> list[Any]:
+        a = array(code)
+        end = self.at + n * a.itemsize
+        if end > len(self.view):
+            raise ValueError("a column runs past the end")
+        a.frombytes(self.view[self.at : end])
+        if _SWAP:
+            a.byteswap()
+        self.at = end
+        return a.tolist()
+
+
+def _check(
+    groups: list[KeyGroup], n_coll: list[int], group: list[int], last_n: list[int], ix: list[int]
+) -> None:
+    """ValueError unless a digest's columns agree: a rank has a group exactly
+    when it has collectives, and its last positions are keys of its group."""
+    if sum(last_n) != len(ix) or (n_coll and (min(group) < -1 or max(group) >= len(groups))):
+        raise ValueError("a digest's columns do not agree")
+    sizes = [len(g.keys) for g in groups]
+    if any(n != (sizes[g] if g >= 0 else 0) for n, g in zip(n_coll, group, strict=True)):
+        raise ValueError("a rank's collectives and its group do not agree")
+    if ix and (min(ix) < 0 or max(ix) >= max(sizes)):
+        raise ValueError("a last position outside its group's keys")
+
+
 def encode(w: Window) -> bytes:
-    """The window as compact JSON (what goes through the store)."""
-    return orjson.dumps(
+    """The window packed for the store: a JSON head, then each digest's columns."""
+    head = orjson.dumps(
         {
             "node": w.node,
             "seq": w.seq,
             "t": w.t,
             "records": w.records,
+            "progress": w.progress,
+            "heard": w.heard,
             "digests": [
                 {
                     "step": d.step,
                     "bad": d.malformed,
-                    "groups": [
-                        [_keys_out(g.keys), g.longest, g.shortest, g.ranks] for g in d.groups
-                    ],
-                    "ranks": [list(r) for r in d.ranks],
+                    "n": len(d.ranks),
+                    "ix": len(d.last_ix),
+                    "groups": [[_keys_out(g.keys), len(g.longest), g.size] for g in d.groups],
                 }
                 for d in w.digests
             ],
-            "progress": w.progress,
-            "heard": w.heard,
         }
     )
+    parts = [_HEAD.pack(MAGIC, len(head)), head]
+    for d in w.digests:
+        for g in d.groups:
+            parts.append(_pack("d", g.longest))
+            parts.append(_pack("d", g.shortest))
+        parts += [
+            _pack("i", d.ranks),
+            _pack("d", d.wait_s),
+            _pack("d", d.total_wait),
+            _pack("i", d.n_coll),
+            _pack("i", d.group),
+            _pack("d", d.start),
+            _pack("d", d.end),
+            _pack("i", d.last_n),
+            _pack("i", d.last_ix),
+        ]
+    return b"".join(parts)
 
 
 def decode(data: bytes) -> Window:
     """A window back from :func:`encode`'s bytes; ValueError when they are not one."""
     try:
-        o = orjson.loads(data)
-        digests = tuple(
-            StepDigest(
-                int(d["step"]),
-                tuple(
-                    KeyGroup(_keys_in(k), tuple(hi), tuple(lo), tuple(int(r) for r in rs))
-                    for k, hi, lo, rs in d["groups"]
-                ),
-                tuple(
-                    RankDigest(
-                        int(r[0]),
-                        float(r[1]),
-                        float(r[2]),
-                        float(r[3]),
-                        tuple(r[4]),
-                        int(r[5]),
-                        int(r[6]),
-                        int(r[7]),
-                    )  # fmt: skip
-                    for r in d["ranks"]
-                ),
-                int(d.get("bad", 0)),
+        magic, n_head = _HEAD.unpack_from(data)
+        if magic != MAGIC:
+            raise ValueError(f"not a packed window (starts {bytes(data[:4])!r})")
+        o = orjson.loads(data[_HEAD.size : _HEAD.size + n_head])
+        body = _Reader(data, _HEAD.size + n_head)
+        digests = []
+        for d in o["digests"]:
+            groups = []
+            for keys, n_keys, size in d["groups"]:
+                k = _keys_in(keys)
+                if len(k) != int(n_keys):
+                    raise ValueError("a group's keys and extremes differ in length")
+                hi, lo = body.take("d", len(k)), body.take("d", len(k))
+                groups.append(KeyGroup(k, tuple(hi), tuple(lo), int(size)))
+            n = int(d["n"])
+            ranks, wait, total = body.take("i", n), body.take("d", n), body.take("d", n)
+            n_coll, group = body.take("i", n), body.take("i", n)
+            start, end, last_n = body.take("d", n), body.take("d", n), body.take("i", n)
+            last_ix = body.take("i", int(d["ix"]))
+            _check(groups, n_coll, group, last_n, last_ix)
+            digests.append(
+                StepDigest(
+                    int(d["step"]),
+                    tuple(groups),
+                    ranks,
+                    wait,
+                    total,
+                    n_coll,
+                    group,
+                    start,
+                    end,
+                    last_n,
+                    last_ix,
+                    int(d["bad"]),
+                )  # fmt: skip
             )
-            for d in o["digests"]
-        )
+        if body.at != len(data):
+            raise ValueError(f"{len(data) - body.at} bytes past the last column")
         return Window(
             str(o["node"]),
             int(o["seq"]),
             float(o["t"]),
             tuple(o["records"]),
-            digests,
+            tuple(digests),
             tuple((int(r), float(t), int(s), int(q)) for r, t, s, q in o["progress"]),
             tuple((str(h), float(t), float(dt)) for h, t, dt in o["heard"]),
         )
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as e:
+    except (ValueError, struct.error, KeyError, TypeError, IndexError) as e:  # JSON's too
         raise ValueError(f"not a cluster window: {e}") from e
