@@ -661,6 +661,12 @@ class Correlator:
             self._reports[step] = self._reports.get(step, 0) + 1
             self._filed[step] = self._filed.get(step, 0) + 1
         rs.steps[step] = rec
+        self.note_step(rs, step, end)
+        return rs, step
+
+    def note_step(self, rs: _Rank, step: int, end: float) -> None:
+        """What a step record ending at ``end`` says of its rank and the job
+        (cluster mode's leader files a node's step records with it, from a digest)."""
         if end > rs.last_t:
             rs.last_t = end
         if rs.first_step is None or step < rs.first_step:
@@ -671,7 +677,6 @@ class Correlator:
             rs.done_step = step
         if step > self.job_done:
             self.job_done = step
-        return rs, step
 
     def add_coll(self, rec: Record) -> Any:
         """File a ``coll`` record under its rank and step; return its ``end``.

@@ -101,21 +101,13 @@ class LeaderCorrelator(Correlator):
         before = len(filed)
         ranks = self.ranks
         rs: Any = None
+        note = self.note_step
         for rank, _start, end in step_times(d):
             rs = ranks.get(rank) or self.rank_of(rank)
             filed.add(rank)
-            if end > rs.last_t:
-                rs.last_t = end
-            if rs.first_step is None or step < rs.first_step:
-                rs.first_step = step
-            if step > rs.done_step:
-                if rs.done_step < 0:
-                    self._busy(rs)
-                rs.done_step = step
+            note(rs, step, end)
         if len(filed) > before:
             self._reports[step] = self._reports.get(step, 0) + len(filed) - before
-        if step > self.job_done:
-            self.job_done = step
         return rs, step
 
     def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
