@@ -178,8 +178,11 @@ def test_compute_stall_whose_receivers_inflate_srtt_is_compute_and_nothing_else(
     seed: int, onset: int
 ) -> None:
     # The late rank's peers wait for it, so the flows to it (data it has not
-    # read) and to a rank waiting on it carry a polled srtt of milliseconds;
-    # onset 2 is before the compute rule is warm (the network rule is not).
+    # read) and to a rank waiting on it carry a polled srtt of milliseconds:
+    # the stall rule must leave the compute verdict alone and add no network
+    # one, from an onset before the job has a baseline and after. (A guard of
+    # the class; the regression that the old rule failed is the real capture
+    # tests/traces/regress-loopback-compute-polled-srtt.)
     scn = S.Scenario(seed=seed, faults=(S.SlowCompute(1, 3.0, onset, 30),), **REAL)
     recs, truth = S.generate(scn)
     recs = _receivers_stalled(recs, {1, 3}, onset, 30)
