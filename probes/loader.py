@@ -31,6 +31,8 @@ from .devstats import DeviceStats
 from .libscan import LibraryScanner
 from .program import Program, build_program
 from .rdma import RdmaReader
+from .sockdiag import DiagSocket, SockDiag
+from .sockowners import SocketOwners
 from .tracefs import find_tracefs
 from .uprobes import NCCL_UPROBES, VERBS_UPROBES, UprobeSpec, resolve_symbol
 
@@ -41,7 +43,7 @@ STAT_NAMES = {
     1: "orphans",
     2: "socks",
     3: "conn_events",
-    4: "retrans",
+    4: "closed",
     6: "nccl_calls",
     7: "qps",
 }
@@ -52,9 +54,9 @@ STAT_ORPHAN_BYTES = 9
 DRAINED_MAPS = (
     "sock_owner_hint",
     "flows",
+    "closed",
     "orphans",
     "conn_events",
-    "retrans",
     "nccl_calls",
     "qps",
 )
@@ -64,6 +66,9 @@ START_SETTLE_S = 0.3
 ORPHAN_POLLS = 5
 #: conn events of sockets no registered process has claimed yet (pid filter on).
 CONN_POLLS = 3
+#: the tracepoint that names sockets older than the probes; attached only
+#: while one waits for a name (tcp_flows.c)
+NAMING_TRACEPOINT = "tcp:tcp_probe"
 
 
 class ProbePermissionError(RuntimeError):
@@ -199,10 +204,16 @@ class ProbeSet:
         self.report = AttachReport()
         self.evictions = R.Evictions()
         self._orphans: dict[tuple[int, int], tuple[R.FlowFigures, int]] = {}
+        # (socket address, 4-tuple) -> (tx, rx) its sock_info showed last poll
+        self._sock_seen: dict[tuple[int, R.Tuple], tuple[int, int]] = {}
         self._pending_conns: list[tuple[dict[str, Any], int, R.Tuple, int]] = []
         self._stats: dict[int, int] = {}
         self.lost_orphan_bytes = 0
         self._devstats: DeviceStats | None = None
+        self._sockdiag: SockDiag | None = None
+        self._owners = SocketOwners(self.config.proc_root)
+        self._naming_on = False  # NAMING_TRACEPOINT attached now
+        self.naming_polls = 0  # polls it stayed attached for (bench, tests)
         self._registered: set[int] = set()
         self._attached_libs: set[tuple[int, int]] = set()
         self._scanner = LibraryScanner(self.config.proc_root)
@@ -252,6 +263,7 @@ class ProbeSet:
         self.report.attached += [tp.name + (" (raw)" if tp.raw else "") for tp in prog.tracepoints]
         self.report.missing += [(chk.name, chk.reason or "") for chk in prog.missing]
         self._batch = self._probe_batch_support()
+        self._naming_on = any(tp.name == NAMING_TRACEPOINT for tp in prog.tracepoints)
         for pid in sorted(self._registered):  # registered before start()
             self._bpf[b"pids"][ct.c_uint(pid)] = ct.c_ubyte(1)
         # Freshly attached tracepoints were seen to miss a few packets in
@@ -263,8 +275,14 @@ class ProbeSet:
             except KeyError:  # its family is not compiled in
                 continue
             self.evictions.harvest(name, sum(1 for _ in _drain(table, self._batch)))
+        if "tcp" in self.config.families:  # bytes already in sock_info are the baseline
+            self._owner_bytes({_int(k): v for k, v in _read_all(self._bpf[b"socks"], self._batch)})
         self._last_t = self._clock()
         self._stats = self._read_stats()
+        if "tcp" in self.config.families:
+            self._sockdiag = SockDiag(self.config.netns_dir, self.config.proc_root)
+            self._sockdiag.retrans_delta(self._sockdiag.read(self._registered))  # baseline
+            self.report.attached.append("sock_diag:tcp_info")
         if "netdev" in self.config.families:
             self._devstats = DeviceStats(self.config.netns_dir)
             self._devstats.poll()  # baseline
@@ -276,18 +294,43 @@ class ProbeSet:
         return self.report
 
     def _probe_batch_support(self) -> bool:
-        try:
-            list(self._bpf[b"retrans"].items_lookup_batch())
-            return True
-        except Exception:
-            return False
+        for name in DRAINED_MAPS:
+            try:
+                table = self._bpf[name.encode()]
+            except KeyError:  # its family is not compiled in
+                continue
+            try:
+                list(table.items_lookup_batch())
+                return True
+            except Exception:
+                return False
+        return False
+
+    def _set_naming(self, on: bool) -> None:
+        """Attach or detach NAMING_TRACEPOINT (tcp_probe: it runs once per
+        received segment, so it is attached only while a socket older than
+        the probes waits for its 4-tuple)."""
+        if on == self._naming_on or self._bpf is None or self._program is None:
+            return
+        tp = next((t for t in self._program.tracepoints if t.name == NAMING_TRACEPOINT), None)
+        if tp is None:
+            return
+        if on:
+            self._bpf.attach_tracepoint(tp=tp.name.encode(), fn_name=tp.function.encode())
+        else:
+            self._bpf.detach_tracepoint(tp.name.encode())
+        self._naming_on = on
 
     def set_tracepoints_attached(self, on: bool) -> None:
         """Detach (False) or re-attach (True) the tracepoint programs while
         keeping the loaded program and its maps, e.g. to measure overhead."""
         if self._bpf is None or self._program is None:
             raise RuntimeError("set_tracepoints_attached() before start()")
+        if not on:
+            self._set_naming(False)  # re-attached by poll() when a socket needs it
         for tp in self._program.tracepoints:
+            if tp.name == NAMING_TRACEPOINT:
+                continue
             fn = tp.function.encode()
             if tp.raw:
                 event = tp.name.split(":", 1)[1].encode()
@@ -314,6 +357,9 @@ class ProbeSet:
         if self._devstats is not None:
             self._devstats.close()
             self._devstats = None
+        if self._sockdiag is not None:
+            self._sockdiag.close()
+            self._sockdiag = None
         if self._bpf is not None:
             try:
                 self._bpf.cleanup()
@@ -452,7 +498,7 @@ class ProbeSet:
         # socks is not drained: what it lost to the LRU is what was created
         # minus what the kernel deleted minus what is still there.
         self.evictions.harvested["socks"] = self._stat(STAT_SOCK_DEL) + len(socks)
-        flows: dict[tuple[int, R.Tuple], R.FlowFigures] = {}
+        flows = self._owner_bytes(socks)
         for k, v in self._harvest("flows"):
             key = (int(k.tgid), _tuple(k.t))
             flows.setdefault(key, R.FlowFigures()).add(*_fields(v, "tx_bytes", "rx_bytes"))
@@ -462,41 +508,156 @@ class ProbeSet:
             fig, age = self._orphans.get(okey, (R.FlowFigures(), 0))
             fig.add(*_fields(v, "tx_bytes", "rx_bytes"))
             self._orphans[okey] = (fig, age)
-        for okey, (fig, age) in list(self._orphans.items()):
-            info = socks.get(okey[1])
-            if info is not None and info.known:
-                flows.setdefault((okey[0], _tuple(info.t)), R.FlowFigures()).add(
-                    fig.tx_bytes, fig.rx_bytes
-                )
-                del self._orphans[okey]
-            elif age + 1 >= ORPHAN_POLLS:
-                self.lost_orphan_bytes += fig.tx_bytes + fig.rx_bytes
-                del self._orphans[okey]
-            else:
-                self._orphans[okey] = (fig, age + 1)
-        # Path figures (latest tcp_probe) and retransmits by 4-tuple.
+        diag = self._read_diag({tgid for tgid, _ in self._orphans})
+        self._name_orphans(b, socks, flows, by_tuple, diag)
         owners: dict[R.Tuple, int] = {}
-        for (pid, tup), fig in flows.items():
-            info = by_tuple.get(tup)
-            if info is not None:
-                fig.srtt_us = int(info.srtt_us) or None
-                fig.cwnd = int(info.snd_cwnd) or None
-                fig.snd_wnd = int(info.snd_wnd) or None
+        for pid, tup in flows:
             best = owners.get(tup)
-            if best is None or fig.tx_bytes > flows[(best, tup)].tx_bytes:
+            if best is None or flows[(pid, tup)].tx_bytes > flows[(best, tup)].tx_bytes:
                 owners[tup] = pid
-        for k, v in self._harvest("retrans"):
-            tup = _tuple(k)
-            owner = owners.get(tup)
-            if owner is None:
-                info = by_tuple.get(tup)
-                owner = int(info.tgid) if info is not None else 0
-                if self.config.pid_filter and owner not in self._registered:
-                    continue
-            flows.setdefault((owner, tup), R.FlowFigures()).retrans += _int(v)
+        self._add_tcp_info(flows, owners, by_tuple, diag)
         out = R.flow_records(flows, now, dt, host)
         out += self._conn_records(b, batch, now, host, socks, owners)
         return out
+
+    def _owner_bytes(self, socks: dict[int, Any]) -> dict[tuple[int, R.Tuple], R.FlowFigures]:
+        """Each socket owner's bytes since the last poll: the cumulative
+        counts in its sock_info (read in place) minus those seen last time,
+        then the final counts of sockets that closed since (drained from
+        `closed`), minus what was seen of them. Read in that order, a socket
+        that closes between the two reads is counted once."""
+        flows: dict[tuple[int, R.Tuple], R.FlowFigures] = {}
+        seen = self._sock_seen
+        now: dict[tuple[int, R.Tuple], tuple[int, int]] = {}
+
+        def add(key: tuple[int, R.Tuple], tgid: int, tx: int, rx: int) -> None:
+            tx0, rx0 = seen.get(key, (0, 0))
+            if tx > tx0 or rx > rx0:
+                flows.setdefault((tgid, key[1]), R.FlowFigures()).add(
+                    max(0, tx - tx0), max(0, rx - rx0)
+                )
+
+        for sk, v in socks.items():
+            if v.known and v.tgid:
+                key = (sk, _tuple(v.t))
+                cur = (int(v.tx_bytes), int(v.rx_bytes))
+                add(key, int(v.tgid), *cur)
+                now[key] = seen[key] = cur
+        for k, v in self._harvest("closed"):
+            key = (int(k.sk), _tuple(k.t))
+            add(key, int(v.tgid), int(v.tx_bytes), int(v.rx_bytes))
+            now.pop(key, None)
+        self._sock_seen = now  # the rest closed or were evicted
+        return flows
+
+    def _read_diag(self, extra_pids: set[int]) -> list[tuple[tuple[int, int], DiagSocket]]:
+        """Every TCP socket's tcp_info now, in the namespaces of the
+        registered processes and of ``extra_pids`` too (probes/sockdiag.py)."""
+        if self._sockdiag is None:
+            return []
+        return self._sockdiag.read(self._registered | extra_pids)
+
+    def _name_orphans(
+        self,
+        b: Any,
+        socks: dict[int, Any],
+        flows: dict[tuple[int, R.Tuple], R.FlowFigures],
+        by_tuple: dict[R.Tuple, Any],
+        diag: list[tuple[tuple[int, int], DiagSocket]],
+    ) -> None:
+        """Bytes parked under a socket address go to its flow once the kernel
+        named the socket. A process's parked socket can be TCP only while the
+        process holds a TCP socket the kernel has not named (one older than
+        the probes: sock_diag lists it, inet_sock_set_state never saw it
+        open); then NAMING_TRACEPOINT is attached until it is named. Sockets
+        of other processes are no TCP (unix, udp): their bytes are counted
+        lost and the kernel told to skip them from then on."""
+        unnamed_tcp = {
+            sk.inode
+            for _, sk in diag
+            if sk.inode
+            and R.make_tuple(sk.family, sk.lport, sk.rport, sk.laddr, sk.raddr) not in by_tuple
+        }
+        may_be_tcp: dict[int, bool] = {}
+        need_naming = False
+        for okey, (fig, age) in list(self._orphans.items()):
+            tgid, sk_addr = okey
+            info = socks.get(sk_addr)
+            if info is not None and info.known:
+                flows.setdefault((tgid, _tuple(info.t)), R.FlowFigures()).add(
+                    fig.tx_bytes, fig.rx_bytes
+                )
+                del self._orphans[okey]
+                continue
+            if tgid not in may_be_tcp:
+                may_be_tcp[tgid] = bool(self._owners.inodes(tgid) & unnamed_tcp)
+            if not may_be_tcp[tgid] or age + 1 >= ORPHAN_POLLS:
+                self.lost_orphan_bytes += fig.tx_bytes + fig.rx_bytes
+                del self._orphans[okey]
+                if not may_be_tcp[tgid]:
+                    self._ignore_socket(b, sk_addr, tgid)
+            else:
+                self._orphans[okey] = (fig, age + 1)
+                need_naming = True
+        self._set_naming(need_naming)
+        if self._naming_on:
+            self.naming_polls += 1
+
+    def _ignore_socket(self, b: Any, sk: int, tgid: int) -> None:
+        table = b[b"socks"]
+        leaf = table.Leaf()
+        leaf.tgid = tgid
+        leaf.ignore = 1
+        with contextlib.suppress(Exception):  # full map: it is parked again later
+            table[table.Key(sk)] = leaf
+
+    def _add_tcp_info(
+        self,
+        flows: dict[tuple[int, R.Tuple], R.FlowFigures],
+        owners: dict[R.Tuple, int],
+        by_tuple: dict[R.Tuple, Any],
+        read: list[tuple[tuple[int, int], DiagSocket]],
+    ) -> None:
+        """srtt, cwnd and the send window now, and the retransmitted segments
+        since the last poll, from the kernel's tcp_info (probes/sockdiag.py).
+        A connection that only retransmitted goes to the process that moved
+        its bytes, else the one the kernel saw open it, else the registered
+        process holding its inode."""
+        if self._sockdiag is None:
+            return
+        retrans = self._sockdiag.retrans_delta(read)
+        self._owners.round += 1
+        info: dict[R.Tuple, DiagSocket] = {}
+        for ns, sk in read:
+            tup = R.make_tuple(sk.family, sk.lport, sk.rport, sk.laddr, sk.raddr)
+            info[tup] = sk
+            n = retrans.get((ns, sk.cookie), 0)
+            if not n:
+                continue
+            owner = owners.get(tup)
+            if owner is None:
+                known = by_tuple.get(tup)
+                owner = int(known.tgid) if known is not None else 0
+                if not owner:
+                    owner = self._owners.owner(sk.inode, self._owner_candidates())
+                if self.config.pid_filter and owner not in self._registered:
+                    continue
+                owners[tup] = owner
+            flows.setdefault((owner, tup), R.FlowFigures()).retrans += n
+        for (_, tup), fig in flows.items():
+            now = info.get(tup)
+            if now is not None:
+                fig.srtt_us = now.srtt_us or None
+                fig.cwnd = now.cwnd or None
+                fig.snd_wnd = now.snd_wnd or None
+
+    def _owner_candidates(self) -> list[int]:
+        if self.config.pid_filter:
+            return sorted(self._registered)
+        root = self.config.proc_root
+        with contextlib.suppress(OSError):
+            return [int(d) for d in os.listdir(root) if d.isdigit()]
+        return []
 
     def _conn_records(
         self,
@@ -571,10 +732,14 @@ class ProbeSet:
         """Events lost on the kernel side so far, by source (the exporter's
         ``events_lost_total``): ``map_eviction`` (entries the LRU maps evicted
         before a poll read them), ``tracepoint_miss`` (program runs the kernel
-        skipped). A source added here is exported with no other change."""
+        skipped), ``sock_diag_read_error`` (namespace reads of tcp_info that
+        failed: that poll's srtt/cwnd of the namespace, and the retransmits
+        since its last read, are lost). A source added here is exported with
+        no other change."""
         return {
             "map_eviction": sum(self.evictions.evicted().values()),
             "tracepoint_miss": sum(self.missed_events().values()),
+            "sock_diag_read_error": self._sockdiag.read_errors if self._sockdiag else 0,
         }
 
     def stats(self) -> dict[str, Any]:

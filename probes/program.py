@@ -49,24 +49,20 @@ TRACEPOINTS: tuple[TracepointProbe, ...] = (
     TracepointProbe(
         "tcp",
         "tcp:tcp_probe",
-        ("saddr", "daddr", "sport", "dport", "snd_cwnd", "ssthresh", "snd_wnd", "srtt", "skaddr"),
+        ("saddr", "daddr", "sport", "dport", "skaddr"),
     ),
     TracepointProbe(
         "tcp",
         "sock:inet_sock_set_state",
         ("skaddr", "oldstate", "newstate", "protocol", *_TUPLE_FIELDS),
     ),
-    TracepointProbe("tcp", "tcp:tcp_retransmit_skb", ("skaddr", *_TUPLE_FIELDS)),
     TracepointProbe("tcp", "tcp:tcp_send_reset", ("skaddr", "saddr", "daddr")),
     TracepointProbe("tcp", "tcp:tcp_receive_reset", ("skaddr", *_TUPLE_FIELDS)),
 )
 
-#: (tracepoint, field, define): fields read only where the kernel has them.
-#: tcp_retransmit_skb gained `err` (6.x): it then also fires for retransmits
-#: that failed to leave, which the kernel's TcpRetransSegs does not count.
-OPTIONAL_FIELDS: tuple[tuple[str, str, str], ...] = (
-    ("tcp:tcp_retransmit_skb", "err", "SENTINEL_RETRANS_HAS_ERR"),
-)
+#: (tracepoint, field, define): fields read only where the kernel has them
+#: (none today: retransmits come from tcp_info, probes/sockdiag.py).
+OPTIONAL_FIELDS: tuple[tuple[str, str, str], ...] = ()
 
 #: family -> C source files (after common.c), in order.
 FAMILY_SOURCES: dict[str, tuple[str, ...]] = {

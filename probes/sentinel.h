@@ -60,7 +60,7 @@
 #define SENTINEL_STAT_ORPHAN_NEW 1
 #define SENTINEL_STAT_SOCK_NEW 2
 #define SENTINEL_STAT_CONN_NEW 3
-#define SENTINEL_STAT_RETRANS_NEW 4
+#define SENTINEL_STAT_CLOSED_NEW 4 /* was retrans (now tcp_info via sock_diag) */
 #define SENTINEL_STAT_UNUSED_5 5 /* was devs (netdev now reads netlink) */
 #define SENTINEL_STAT_NCCL_NEW 6
 #define SENTINEL_STAT_QP_NEW 7
@@ -80,7 +80,9 @@ struct flow_tuple {
     u8 raddr[16];
 };
 
-/* flows: bytes per (process, connection), drained every interval. */
+/* flows: bytes per (process, connection) of a process other than the
+ * socket's owner (a socket shared across fork), drained every interval. The
+ * owner's bytes are counted in the socket's own sock_info. */
 struct flow_key {
     u32 tgid;
     u32 pad;
@@ -90,8 +92,6 @@ struct flow_key {
 struct flow_counters {
     u64 tx_bytes;
     u64 rx_bytes;
-    u64 tx_calls;
-    u64 rx_calls;
 };
 
 /* orphans: bytes on a socket whose 4-tuple was not yet known when counted
@@ -103,16 +103,35 @@ struct orphan_key {
     u64 sk;
 };
 
-/* socks: socket address -> 4-tuple and latest path figures (tcp_probe).
- * Kept while the socket lives; deleted by the kernel when it closes. */
+/* socks: socket address -> 4-tuple, owner and the owner's byte counts
+ * since the socket was named (cumulative: user space reads them in place
+ * and takes deltas, so no map syscall deletes under a running program).
+ * Deleted by the kernel when the socket closes, after it copied the final
+ * counts to `closed`. (srtt, cwnd and retransmits are not here:
+ * probes/sockdiag.py reads the kernel's tcp_info at each poll.) */
 struct sock_info {
     struct flow_tuple t;
-    u32 tgid;     /* process last seen sending/receiving (0: none yet) */
-    u32 known;    /* 1 once t is filled */
-    u32 srtt_us;  /* tcp_probe srtt (already microseconds) */
-    u32 snd_cwnd; /* segments */
-    u32 snd_wnd;  /* bytes */
-    u32 ssthresh;
+    u32 tgid;   /* the owner: first process to move bytes (0: none yet) */
+    u32 known;  /* 1 once t is filled */
+    u32 ignore; /* set by user space: not a TCP socket, count nothing */
+    u32 pad;
+    u64 tx_bytes;
+    u64 rx_bytes;
+};
+
+/* closed: a socket's final sock_info counts, copied as it closes (keyed by
+ * address and 4-tuple: an address reused within one interval is another
+ * key), drained every interval. */
+struct closed_key {
+    u64 sk;
+    struct flow_tuple t;
+};
+
+struct closed_counts {
+    u32 tgid;
+    u32 pad;
+    u64 tx_bytes;
+    u64 rx_bytes;
 };
 
 /* conn_events: connection life events, drained every interval. */

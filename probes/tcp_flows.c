@@ -3,10 +3,15 @@
  *
  *   sock:sock_send_length / sock_recv_length  bytes per (process, socket),
  *       in process context, so the tgid is the process that moved the bytes
- *   tcp:tcp_probe            socket -> 4-tuple, srtt, cwnd, send window
  *   sock:inet_sock_set_state socket -> 4-tuple, open/close
- *   tcp:tcp_retransmit_skb   retransmits per 4-tuple
+ *   tcp:tcp_probe            socket -> 4-tuple for sockets older than the
+ *       probes; attached by the loader only while such a socket waits for a
+ *       name (it runs once per received segment: the dearest hook here)
  *   tcp:tcp_send_reset / tcp_receive_reset   resets per 4-tuple
+ *
+ * srtt, cwnd, the send window and retransmits are not counted here: the
+ * kernel keeps them per socket, and probes/sockdiag.py reads them (tcp_info)
+ * at every poll for nothing per packet.
  *
  * The socket pointer is used only as a map key, never dereferenced. */
 
@@ -14,13 +19,12 @@ BPF_TABLE("lru_hash", struct flow_key, struct flow_counters, flows, SENTINEL_MAX
 BPF_TABLE("lru_hash", struct orphan_key, struct flow_counters, orphans, SENTINEL_MAX_EVENTS);
 BPF_TABLE("lru_hash", u64, struct sock_info, socks, SENTINEL_MAX_SOCKS);
 BPF_TABLE("lru_hash", struct conn_key, struct conn_counters, conn_events, SENTINEL_MAX_EVENTS);
-BPF_TABLE("lru_hash", struct flow_tuple, u64, retrans, SENTINEL_MAX_EVENTS);
+BPF_TABLE("lru_hash", struct closed_key, struct closed_counts, closed, SENTINEL_MAX_EVENTS);
 /* socket -> the process that last moved bytes on it before it was named */
 BPF_TABLE("lru_hash", u64, u32, sock_owner_hint, SENTINEL_MAX_EVENTS);
 
 /* The 4-tuple of tracepoints that carry family, sport, dport and separate
- * v4/v6 address fields (inet_sock_set_state, tcp_retransmit_skb,
- * tcp_receive_reset). The fields sit at unaligned offsets in some of these
+ * v4/v6 address fields (inet_sock_set_state, tcp_receive_reset). The fields sit at unaligned offsets in some of these
  * records, so they are copied with probe reads rather than loaded. */
 #define TUPLE_FROM_ARGS(t, args)                                          \
     do {                                                                  \
@@ -56,21 +60,38 @@ static __always_inline struct flow_counters *orphan_slot(struct orphan_key *k)
     return orphans.lookup(k);
 }
 
+static __always_inline void add_bytes(u64 *tx, u64 *rx, int ret, int is_rx)
+{
+    if (is_rx)
+        __sync_fetch_and_add(rx, (u64)ret);
+    else
+        __sync_fetch_and_add(tx, (u64)ret);
+}
+
 static __always_inline void count_io(u64 sk, int ret, int flags, int rx)
 {
-    /* The pid filter comes first: another process's send or receive costs
-     * one helper call and one hash lookup, nothing else. */
-    u32 tgid = current_tgid();
-    if (!tgid_allowed(tgid))
-        return;
     if (ret <= 0 || (flags & SENTINEL_MSG_PEEK))
         return;
-    struct flow_counters *c = 0;
+    u32 tgid = current_tgid();
+    /* Hot path: a named socket's owner moving bytes. One lookup: the owner
+     * passed the pid filter when it became the owner. */
     struct sock_info *si = socks.lookup(&sk);
+    if (si && si->known && si->tgid == tgid) {
+        add_bytes(&si->tx_bytes, &si->rx_bytes, ret, rx);
+        return;
+    }
+    if (!tgid_allowed(tgid))
+        return;
+    if (si && si->ignore)
+        return; /* user space found it is no TCP socket (unix, udp) */
+    struct flow_counters *c = 0;
     if (si && si->known) {
-        if (si->tgid != tgid)
+        if (!si->tgid) { /* passively opened: its first user owns it */
             si->tgid = tgid;
-        struct flow_key fk = {};
+            add_bytes(&si->tx_bytes, &si->rx_bytes, ret, rx);
+            return;
+        }
+        struct flow_key fk = {}; /* another process on the owner's socket */
         fk.tgid = tgid;
         fk.t = si->t;
         c = flow_slot(&fk);
@@ -86,15 +107,8 @@ static __always_inline void count_io(u64 sk, int ret, int flags, int rx)
         c = orphan_slot(&ok);
         stat_add(SENTINEL_STAT_ORPHAN_BYTES, ret);
     }
-    if (!c)
-        return;
-    if (rx) {
-        __sync_fetch_and_add(&c->rx_bytes, (u64)ret);
-        __sync_fetch_and_add(&c->rx_calls, 1);
-    } else {
-        __sync_fetch_and_add(&c->tx_bytes, (u64)ret);
-        __sync_fetch_and_add(&c->tx_calls, 1);
-    }
+    if (c)
+        add_bytes(&c->tx_bytes, &c->rx_bytes, ret, rx);
 }
 
 /* sock_send_length / sock_recv_length run in the caller's context. As raw
@@ -126,6 +140,8 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     u64 sk = (u64)args->skaddr;
     struct sock_info *si = socks.lookup(&sk);
+    if (si && si->known)
+        return 0; /* named already: nothing else is read here */
     if (!si) {
         u32 *hint = sock_owner_hint.lookup(&sk);
         if (SENTINEL_FILTER_PIDS && !(hint && tgid_allowed(*hint)))
@@ -139,19 +155,19 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
         if (!si)
             return 0;
     }
-    if (!si->known) {
-        u8 ls[28] = {}, rs[28] = {};
-        bpf_probe_read_kernel(ls, sizeof(ls), args->saddr);
-        bpf_probe_read_kernel(rs, sizeof(rs), args->daddr);
-        tuple_sockaddrs(&si->t, ls, rs);
-        si->t.lport = args->sport;
-        si->t.rport = args->dport;
-        si->known = 1;
+    u8 ls[28] = {}, rs[28] = {};
+    bpf_probe_read_kernel(ls, sizeof(ls), args->saddr);
+    bpf_probe_read_kernel(rs, sizeof(rs), args->daddr);
+    tuple_sockaddrs(&si->t, ls, rs);
+    si->t.lport = args->sport;
+    si->t.rport = args->dport;
+    if (si->ignore) { /* a stale entry at a reused address */
+        si->tgid = 0;
+        si->ignore = 0;
     }
-    si->srtt_us = args->srtt;
-    si->snd_cwnd = args->snd_cwnd;
-    si->snd_wnd = args->snd_wnd;
-    si->ssthresh = args->ssthresh;
+    si->tx_bytes = 0; /* bytes before this instant are parked in orphans */
+    si->rx_bytes = 0;
+    si->known = 1;
     return 0;
 }
 #endif
@@ -210,6 +226,17 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     if (news == SENTINEL_TCP_CLOSE) {
         if (allowed && olds != SENTINEL_TCP_LISTEN && olds != SENTINEL_TCP_NEW_SYN_RECV)
             conn_event(&t, SENTINEL_CONN_CLOSE, sk, tgid);
+        if (si && si->known && (si->tx_bytes || si->rx_bytes)) {
+            struct closed_key key = {};
+            key.sk = sk;
+            key.t = si->t;
+            struct closed_counts last = {};
+            last.tgid = si->tgid;
+            last.tx_bytes = si->tx_bytes;
+            last.rx_bytes = si->rx_bytes;
+            if (closed.update(&key, &last) == 0)
+                stat_add(SENTINEL_STAT_CLOSED_NEW, 1);
+        }
         if (si && socks.delete(&sk) == 0)
             stat_add(SENTINEL_STAT_SOCK_DEL, 1);
         return 0;
@@ -224,8 +251,16 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
             if (socks.insert(&sk, &fresh) == 0)
                 stat_add(SENTINEL_STAT_SOCK_NEW, 1);
         } else {
+            if (olds != SENTINEL_TCP_SYN_SENT) {
+                /* a stale entry at a reused address: this socket is new */
+                tgid = 0;
+                si->tgid = 0;
+                si->tx_bytes = 0;
+                si->rx_bytes = 0;
+            }
             si->t = t;
             si->known = 1;
+            si->ignore = 0;
         }
         conn_event(&t, SENTINEL_CONN_OPEN, sk, tgid);
     }
@@ -240,33 +275,6 @@ static __always_inline u32 sock_owner(u64 sk, int *allowed)
     *allowed = !SENTINEL_FILTER_PIDS || (si && tgid_allowed(tgid));
     return tgid;
 }
-
-#ifdef SENTINEL_HAVE_tcp__tcp_retransmit_skb
-TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
-{
-#ifdef SENTINEL_RETRANS_HAS_ERR
-    if (args->err != 0)
-        return 0; /* it did not leave: not a retransmit on the wire */
-#endif
-    int allowed = 0;
-    sock_owner((u64)args->skaddr, &allowed);
-    if (!allowed)
-        return 0;
-    struct flow_tuple t = {};
-    TUPLE_FROM_ARGS(t, args);
-    u64 *n = retrans.lookup(&t);
-    if (!n) {
-        u64 zero = 0;
-        if (retrans.insert(&t, &zero) == 0)
-            stat_add(SENTINEL_STAT_RETRANS_NEW, 1);
-        n = retrans.lookup(&t);
-        if (!n)
-            return 0;
-    }
-    __sync_fetch_and_add(n, 1);
-    return 0;
-}
-#endif
 
 #ifdef SENTINEL_HAVE_tcp__tcp_send_reset
 TRACEPOINT_PROBE(tcp, tcp_send_reset)

@@ -154,3 +154,38 @@ def test_retransmits_of_one_link_blame_the_link_not_one_end() -> None:
     flows = matrix({}, {(1, 2): 120, (2, 1): 110})
     view = network_view(flows, [0, 1, 2, 3], None, cfg)
     assert view.node == {} and view.links == {1: (2, "retrans", 1.0)}
+
+
+def _receivers_stalled(recs: list[dict], receivers: set[int], start: int, end: int) -> list[dict]:
+    """``recs`` with the srtt of flows *to* ``receivers`` inflated 15x over steps
+    [start, end): what a polled tcp_info srtt shows on flows whose receiver does
+    not read yet (it is late, or waits on the late rank): the ACK waits for the
+    read. Synthetic ranks have the address 198.18.0.(rank + 1)."""
+    step_t = {r["step"]: r["start"] for r in recs if r["kind"] == "step" and r["rank"] == 0}
+    t0, t1 = step_t[start], step_t[end]
+    dsts = {f"198.18.0.{r + 1}" for r in receivers}
+    out = []
+    for r in recs:
+        if r["kind"] == "flow" and t0 <= r["t"] <= t1 and r["dst"].split(":")[0] in dsts:
+            r = {**r, "srtt_us": r["srtt_us"] * 15.0}
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("onset", [2, 12])
+def test_compute_stall_whose_receivers_inflate_srtt_is_compute_and_nothing_else(
+    seed: int, onset: int
+) -> None:
+    # The late rank's peers wait for it, so the flows to it (data it has not
+    # read) and to a rank waiting on it carry a polled srtt of milliseconds:
+    # the stall rule must leave the compute verdict alone and add no network
+    # one, from an onset before the job has a baseline and after. (A guard of
+    # the class; the regression that the old rule failed is the real capture
+    # tests/traces/regress-loopback-compute-polled-srtt.)
+    scn = S.Scenario(seed=seed, faults=(S.SlowCompute(1, 3.0, onset, 30),), **REAL)
+    recs, truth = S.generate(scn)
+    recs = _receivers_stalled(recs, {1, 3}, onset, 30)
+    verdicts = Pipeline().feed_many(recs)
+    found = {(v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged"}
+    assert found == {(1, "compute")}, verdicts

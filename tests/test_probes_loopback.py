@@ -222,3 +222,50 @@ def test_flows_command_prints_trace_v1_json() -> None:
     assert recs and all(trace.validate(r) is None and r["kind"] == "flow" for r in recs)
     sent = sum(r["tx_bytes"] for r in recs if r["src"] == f"127.0.0.1:{cport}")
     assert sent == 300000
+
+
+def test_connection_older_than_the_probes_is_named_on_demand() -> None:
+    """A connection made before the probes loaded was never seen opening:
+    tcp_probe is attached until it is named, its early bytes wait parked and
+    all count; a unix socket of the same process is then recognised as no
+    TCP socket, and tcp_probe goes away although it keeps sending."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    c = socket.create_connection(srv.getsockname())
+    a, _ = srv.accept()
+    client, server = "{}:{}".format(*c.getsockname()), "{}:{}".format(*a.getsockname())
+    u1, u2 = socket.socketpair()
+    ps = ProbeSet(ProbeConfig(pid_filter=True, families=("tcp",)))
+    ps.register_pid(os.getpid())
+    ps.start()
+    chunk = 100_003
+    try:
+        ps.poll()
+        recs: list[dict] = []
+
+        def burst() -> None:
+            c.sendall(b"x" * chunk)
+            got = 0
+            while got < chunk:
+                got += len(a.recv(1 << 20))
+            u1.send(b"y" * 1000)
+            u2.recv(1000)
+            time.sleep(0.05)
+            recs.extend(ps.poll())
+
+        for _ in range(4):
+            burst()
+        named_after = ps.naming_polls
+        for _ in range(3):
+            burst()
+    finally:
+        ps.close()
+        for s in (c, a, srv, u1, u2):
+            s.close()
+    tx, _, _ = _sum(recs, client, server)
+    _, rx, _ = _sum(recs, server, client)
+    assert (tx, rx) == (7 * chunk, 7 * chunk), recs
+    assert {r["pid"] for r in recs if r["kind"] == "flow"} == {os.getpid()}
+    assert named_after >= 1, "tcp_probe was never needed: the test proves nothing"
+    assert ps.naming_polls == named_after, "tcp_probe stayed attached for the unix socket"

@@ -203,10 +203,6 @@ def _retrans(run: dict) -> int:
     )
 
 
-@pytest.mark.xfail(
-    reason="open: on the lossy link most polls' flow records carried no srtt_us "
-    "(runs gave 1 and 0 samples of 5; the one seen was within 6 % of ss); not diagnosed",
-)
 def test_lossy_link_srtt_matches_ss_at_the_same_instant(lossy_run: dict) -> None:
     ratios = lossy_run["ratios"]
     assert len(ratios) >= 4, ratios
@@ -227,11 +223,5 @@ def test_lossy_link_devices_and_no_missed_events(lossy_run: dict) -> None:
     assert 0 < _retrans(lossy_run) <= lossy_run["want_retrans"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tcp_retransmit_skb fires once per retransmitted skb; TcpRetransSegs adds "
-    "tcp_skb_pcount (GSO segments) per skb, which no tracepoint field carries "
-    "(seen: 12 events, 91 segments). Open: see docs/probes.md.",
-)
 def test_lossy_link_retransmits_equal_tcpretranssegs(lossy_run: dict) -> None:
     assert _retrans(lossy_run) == lossy_run["want_retrans"]

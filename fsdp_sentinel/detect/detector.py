@@ -86,6 +86,13 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     # beside it needs an srtt excess of real queueing (explained_excess_us);
     # an open network verdict is still held or cleared as before.
     late_flagged = frozenset(r for r, tr in tracks.items() if tr.cause == "compute")
+    lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
+    n_lates = len(lates_sorted)
+    # A rank arriving late explains the stretch and the srtt its waiting peers'
+    # flows show (delayed ACKs of unread data): no new network verdict then.
+    stall_explained = stretched_now and network.stall_explains(
+        job_step, base, lates_sorted, cfg.baseline.min_effect
+    )
     net, net_memo = network.network_view_memo(
         state.net_memo,
         summary.flows,
@@ -95,10 +102,8 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         flagged_net,
         # Judged only when it can matter: the job is slow, or a network
         # verdict is open (to hold or clear it).
-        judge=stretched_now or bool(flagged_net),
+        judge=(stretched_now and not stall_explained) or bool(flagged_net),
     )
-    lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
-    n_lates = len(lates_sorted)
     warm = noise.warm(state.rel_noise, cfg)
     bar = noise.bar(state.rel_noise, cfg)
     low = max(cfg.baseline.min_effect, cfg.compute.sustained_share * bar)  # sustained bar
@@ -145,6 +150,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             candidate = "compute"
         elif (
             stretched_now
+            and (tr.cause == "network" or not stall_explained)
             and network.is_candidate(rs.rank, net, tr.cause == "network", cfg.network)
             and (
                 tr.cause == "network"

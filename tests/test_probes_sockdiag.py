@@ -1,0 +1,132 @@
+"""sock_diag decoding and retransmit deltas (probes/sockdiag.py), offline.
+
+The fixture is a real inet_diag dump of one loopback connection, captured
+beside `ss -tnie` at the same instant (sockdiag_loopback.ss.txt): the decoded
+figures must be those ss printed from the same replies."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+
+from fsdp_sentinel.probes import sockdiag as D
+from fsdp_sentinel.probes.sockowners import SocketOwners
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def _ss_sockets() -> dict[int, dict[str, str]]:
+    """ss -tnie's sockets by local port: its key:value words and the rest."""
+    lines = (FIX / "sockdiag_loopback.ss.txt").read_text().splitlines()[1:]
+    out = {}
+    for head, detail in zip(lines[::2], lines[1::2], strict=True):
+        cols = head.split()
+        words = dict(re.findall(r"(\w+):([\w./]+)", head + " " + detail))
+        words["local"] = cols[3]
+        out[int(cols[3].rsplit(":", 1)[1])] = words
+    return out
+
+
+def test_real_dump_decodes_to_what_ss_printed() -> None:
+    socks, done = D.parse_dump((FIX / "sockdiag_loopback.bin").read_bytes())
+    assert done
+    want = _ss_sockets()
+    assert sorted(sk.lport for sk in socks) == sorted(want)
+    for sk in socks:
+        ss = want[sk.lport]
+        assert sk.family == socket.AF_INET
+        assert f"{socket.inet_ntoa(sk.laddr)}:{sk.lport}" == ss["local"]
+        assert sk.inode == int(ss["ino"])
+        assert sk.cookie == int(ss["sk"], 16)
+        assert sk.srtt_us == round(float(ss["rtt"].split("/")[0]) * 1000)
+        assert sk.cwnd == int(ss["cwnd"])
+        assert sk.bytes_acked == int(ss.get("bytes_acked", 0))
+        assert sk.bytes_received == int(ss.get("bytes_received", 0))
+        assert sk.snd_wnd == int(ss["snd_wnd"])
+        assert sk.total_retrans == 0 and sk.state == 1
+
+
+def _message(family: int, src: bytes, dst: bytes, info: bytes, cookie: int = 7) -> bytes:
+    head = struct.pack("=BBBB", family, 1, 0, 0) + struct.pack(">HH", 1000, 2000)
+    body = head + src + dst + struct.pack("=IQIIIII", 0, cookie, 0, 0, 0, 0, 42)
+    nla = struct.pack("=HH", 4 + len(info), D.INET_DIAG_INFO) + info
+    body += nla + b"\0" * (-len(nla) % 4)
+    return struct.pack("=IHHII", 16 + len(body), D.SOCK_DIAG_BY_FAMILY, 2, 1, 0) + body
+
+
+def _info(size: int, rtt: int = 1500, retrans: int = 3) -> bytes:
+    b = bytearray(size)
+    struct.pack_into("=I", b, 68, rtt)
+    struct.pack_into("=I", b, 80, 10)
+    struct.pack_into("=I", b, 100, retrans)
+    return bytes(b)
+
+
+DONE = struct.pack("=IHHIIi", 20, D.NLMSG_DONE, 2, 1, 0, 0)
+
+
+def test_v4_mapped_ipv6_folds_to_ipv4_and_old_tcp_info_has_no_snd_wnd() -> None:
+    mapped = lambda a: b"\0" * 10 + b"\xff\xff" + socket.inet_aton(a)  # noqa: E731
+    data = _message(socket.AF_INET6, mapped("10.0.0.1"), mapped("10.0.0.2"), _info(136)) + DONE
+    (sk,), done = D.parse_dump(data)
+    assert done and sk.family == socket.AF_INET
+    assert (sk.laddr, sk.raddr) == (socket.inet_aton("10.0.0.1"), socket.inet_aton("10.0.0.2"))
+    assert (sk.lport, sk.rport, sk.inode, sk.cookie) == (1000, 2000, 42, 7)
+    assert (sk.srtt_us, sk.cwnd, sk.total_retrans, sk.snd_wnd) == (1500, 10, 3, None)
+
+
+def test_real_ipv6_stays_ipv6_and_a_socket_without_tcp_info_is_skipped() -> None:
+    a6, b6 = (
+        socket.inet_pton(socket.AF_INET6, "fd00::1"),
+        socket.inet_pton(socket.AF_INET6, "fd00::2"),
+    )
+    data = _message(socket.AF_INET6, a6, b6, _info(232)) + _message(socket.AF_INET, a6, b6, b"")
+    socks, done = D.parse_dump(data)
+    assert not done  # no NLMSG_DONE yet: the caller reads on
+    assert [(sk.family, sk.laddr) for sk in socks] == [(socket.AF_INET6, a6)]
+
+
+def test_netlink_error_raises_with_its_errno() -> None:
+    err = struct.pack("=IHHIIi", 20, D.NLMSG_ERROR, 0, 1, 0, -errno.EPERM)
+    with pytest.raises(OSError) as e:
+        D.parse_dump(err)
+    assert e.value.errno == errno.EPERM
+
+
+def _Sk(cookie: int, total: int) -> D.DiagSocket:  # noqa: N802
+    z = b"\0" * 4
+    return D.DiagSocket(2, z, 1, z, 2, cookie, 0, 0, 1, 0, 0, total, 0, 0, None)
+
+
+def test_retransmit_deltas_baseline_first_read_then_count_new_sockets_whole() -> None:
+    diag = D.SockDiag(netns_dir=None)
+    ns, other = (1, 10), (1, 11)
+    assert diag.retrans_delta([(ns, _Sk(1, 5))], {ns}) == {}  # baseline: may predate us
+    read = [(ns, _Sk(1, 9)), (ns, _Sk(2, 4)), (other, _Sk(3, 6))]
+    # socket 1 moved by 4; socket 2 is new in a namespace read before: all 4
+    # count; namespace `other` is read for the first time: its baseline.
+    assert diag.retrans_delta(read, {ns, other}) == {(ns, 1): 4, (ns, 2): 4}
+    # `ns` not read this time: it keeps its figures, nothing is counted twice.
+    assert diag.retrans_delta([(other, _Sk(3, 8))], {other}) == {(other, 3): 2}
+    assert diag.retrans_delta([(ns, _Sk(1, 9)), (ns, _Sk(2, 5))], {ns}) == {(ns, 2): 1}
+
+
+def test_socket_owner_scans_only_the_given_pids_once_per_poll(tmp_path: Path) -> None:
+    for pid, fds in ((100, {"3": "socket:[555]", "4": "/dev/null"}), (200, {"5": "socket:[777]"})):
+        d = tmp_path / str(pid) / "fd"
+        d.mkdir(parents=True)
+        for fd, target in fds.items():
+            os.symlink(target, d / fd)
+    owners = SocketOwners(str(tmp_path))
+    assert owners.owner(555, [100]) == 100
+    assert owners.owner(777, [100]) == 0  # pid 200 was not asked about
+    assert owners.scans == 1  # the miss did not rescan within the same poll
+    owners.round += 1
+    assert owners.owner(777, [100, 200]) == 200
+    assert owners.owner(0, [100]) == 0
