@@ -81,7 +81,9 @@ class KillFigures:
     restore_actions: list[tuple[str, str]] = field(default_factory=list)
     reannounced: list[int] = field(default_factory=list)  # ranks the new daemon heard of
     same_pids: bool = False
-    flagged: list[tuple[str, int, int]] = field(default_factory=list)  # new daemon: cause, rank, step
+    flagged: list[tuple[str, int, int]] = field(
+        default_factory=list
+    )  # new daemon: cause, rank, step
 
 
 def trainer_args(cfg: KillConfig, sock: Path, trace: Path) -> list[str]:
@@ -210,7 +212,9 @@ def _judge_second(fig: KillFigures, out: Path) -> None:
     pids_b = {r["rank"]: r.get("host_pid") for r in b if r.get("kind") == "rank"}
     fig.reannounced = sorted(pids_b)
     fig.same_pids = bool(pids_b) and all(pids_a.get(k) == v for k, v in pids_b.items())
-    fig.restore_actions = [(str(r["what"]), str(r["state"])) for r in b if r.get("kind") == "action"]
+    fig.restore_actions = [
+        (str(r["what"]), str(r["state"])) for r in b if r.get("kind") == "action"
+    ]
     fig.flagged = [(str(v["cause"]), int(v["rank"]), int(v["step"])) for v in b
                    if v.get("kind") == "verdict" and v.get("state") == "flagged"]  # fmt: skip
 

@@ -136,7 +136,9 @@ def _compare_losses(fig: RunFigures, steps: list[Record], attempt_of: dict[Any, 
     if both:
         fig.max_loss_diff = max(abs(loss[(1, r, s)] - loss[(0, r, s)]) for r, s in both)
     rank0 = sorted((s, v) for (a, r, s), v in loss.items() if a == 0 and r == 0)
-    change = [abs(b - a) for (s1, a), (s2, b) in zip(rank0, rank0[1:], strict=False) if s2 == s1 + 1]
+    change = [
+        abs(b - a) for (s1, a), (s2, b) in zip(rank0, rank0[1:], strict=False) if s2 == s1 + 1
+    ]
     fig.loss_step_change = statistics.median(change) if change else None
 
 

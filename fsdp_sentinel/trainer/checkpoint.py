@@ -50,7 +50,7 @@ def folder(root: str | Path, step: int) -> Path:
 
 def whole(root: str | Path) -> list[tuple[int, Path]]:
     """``(S, folder)`` of every whole checkpoint under ``root``, oldest first."""
-    out = []
+    out: list[tuple[int, Path]] = []
     base = Path(root)
     if not base.is_dir():
         return out
@@ -117,14 +117,9 @@ class Checkpointer:
         step, path = int(choice[0][0]), Path(choice[0][1])
         t0 = time.perf_counter()
         msd, osd = get_state_dict(self.model, self.optimizer)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        # DCP loads in place: into the tensors of these very state dicts.
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=self.group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
         return Resumed(step, path, time.perf_counter() - t0)
 
     # ------------------------------------------------------------ save
