@@ -50,16 +50,14 @@ def torchrun_argv(
             # not the machine's host name (unreachable from a namespace).
             "--local-addr", lab.hosts[node_rank].addr,
         ]  # fmt: skip
+        head = ["--nnodes", str(len(lab.hosts)), "--nproc-per-node", str(nproc_per_host)]
     else:
-        where = [
-            "--node-rank", str(node_rank),
-            "--master-addr", lab.hosts[0].addr,
-            "--master-port", str(master_port),
-        ]  # fmt: skip
+        head = ["--nnodes", str(len(lab.hosts)), "--node-rank", str(node_rank)]
+        head += ["--nproc-per-node", str(nproc_per_host)]
+        where = ["--master-addr", lab.hosts[0].addr, "--master-port", str(master_port)]
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(len(lab.hosts)),
-        "--nproc-per-node", str(nproc_per_host),
+        *head,
         *where,
         "--max-restarts", str(max_restarts),
         "-m", module, *module_args,
