@@ -14,7 +14,9 @@ When the daemon is absent (``ENOENT``, ``ECONNREFUSED``), slow (``EAGAIN``,
 counted in ``dropped``; training never waits. After the daemon is found
 absent the emitter stops trying for ``retry_interval`` seconds (dropping and
 counting meanwhile), then tries again, so it picks up a daemon that starts
-later. If the queue itself grows past ``max_pending`` records (the thread
+later, or one started again after a crash (same path: the new daemon takes
+the socket over); a greeting (:meth:`Emitter.set_greeting`: the hooks' own
+``rank`` record) then goes ahead of the first record it gets. If the queue itself grows past ``max_pending`` records (the thread
 starved), new records are dropped and counted.
 
 Producers that must report on time rather than on an event (the hooks'
@@ -97,6 +99,11 @@ class Emitter:
         self.written = 0
         self.write_errors = 0
         self._retry_at = 0.0
+        # Set when a send found nobody listening; the next delivery is then
+        # preceded by the greeting (set_greeting).
+        self._absent = False
+        self._greeting: Callable[[], list[dict[str, Any]]] | None = None
+        self.greetings = 0
         self._pending: collections.deque[dict[str, Any]] = collections.deque()
         self._drain_lock = threading.Lock()  # one drainer at a time, in order
         self._sock: socket.socket | None = None
@@ -181,25 +188,51 @@ class Emitter:
         except (OSError, TypeError, ValueError):
             self.write_errors += 1  # a trace-file problem must not stop the sender
 
+    def set_greeting(self, fn: Callable[[], list[dict[str, Any]]]) -> None:
+        """Records that go ahead of anything else whenever the daemon answers
+        after being away (not started yet, or restarted after a crash): a new
+        daemon knows nothing of the sender (``hooks``: its ``rank`` record).
+        Called on the sender thread; counted in ``greetings``."""
+        self._greeting = fn
+
     def _send(self, rec: dict[str, Any]) -> None:
         if self._retry_at and self._clock() < self._retry_at:
             self._dropped_send += 1
             return
+        if self._absent and self._greeting is not None:
+            # The daemon was away: say who we are before the record, which a
+            # daemon that does not know us could not place.
+            try:
+                hello = self._greeting()
+            except Exception:  # noqa: BLE001 - a bad greeting must not stop the sender
+                hello = []
+            for g in hello:
+                if not self._deliver(g):
+                    self._dropped_send += 1  # still away: rec waits for the next try
+                    return
+            self.greetings += 1
+        self._deliver(rec)
+
+    def _deliver(self, rec: dict[str, Any]) -> bool:
+        """One datagram; False when it was dropped (counted)."""
         try:
             data = json.dumps(rec, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError):
             self._dropped_send += 1
-            return
+            return False
         if len(data) > MAX_DATAGRAM:
             self._dropped_send += 1
             self.oversize += 1
-            return
+            return False
         try:
             self._sock.sendto(data, self.socket_path)  # type: ignore[union-attr,arg-type]
         except OSError as e:
             if e.errno in _ABSENT:
                 self._retry_at = self._clock() + self.retry_interval
+                self._absent = True
             self._dropped_send += 1
-            return
+            return False
         self._retry_at = 0.0
+        self._absent = False
         self.sent += 1
+        return True

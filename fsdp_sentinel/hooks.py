@@ -163,20 +163,34 @@ class Instrumentation:
         return self.emitter.dropped
 
     def announce(self) -> None:
-        """Emit this rank's ``rank`` record (done once by :func:`instrument`)."""
-        self._safe_emit(
-            lambda: {
-                "kind": "rank",
-                "t": self.clock(),
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "host": self.host,
-                "pid": os.getpid(),
-                "addrs": local_addrs(),
-                **({"job": self.job} if self.job else {}),
-                **({"store": self.store} if self.store else {}),
-            }
-        )
+        """Emit this rank's ``rank`` record (done once by :func:`instrument`; the
+        emitter sends it again ahead of anything else to a daemon that comes
+        back after a crash, which knows nothing of this rank).
+
+        No ``attempt``: torchrun's ``TORCHELASTIC_RESTART_COUNT`` counts one
+        agent's failures, not the job's restarts. When a rank dies, its
+        host's agent counts 1 while the other agents restart their workers
+        for the new rendezvous round and still count 0 (seen in the lab: the
+        restarted ranks announced 1, 0, 0, 0), which would fold new processes
+        into the old attempt. Every restarted rank has a new pid, which is
+        what the daemon goes by without ``attempt`` (``jobs.JobRouter``)."""
+        self._safe_emit(self.rank_record)
+        set_greeting = getattr(self.emitter, "set_greeting", None)
+        if set_greeting is not None:
+            set_greeting(lambda: [self.rank_record()])
+
+    def rank_record(self) -> dict[str, Any]:
+        return {
+            "kind": "rank",
+            "t": self.clock(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": self.host,
+            "pid": os.getpid(),
+            "addrs": local_addrs(),
+            **({"job": self.job} if self.job else {}),
+            **({"store": self.store} if self.store else {}),
+        }
 
     def attach(self, model: nn.Module | Iterable[nn.Module]) -> None:
         """Time the comms of every FSDPModule in ``model`` (a module, or a list

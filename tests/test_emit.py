@@ -125,6 +125,40 @@ def test_daemon_gone_midway(sock_path: str) -> None:
         assert (em.sent, em.dropped) == (1, 2)
 
 
+def test_a_daemon_back_after_a_crash_hears_the_greeting_first(sock_path: str) -> None:
+    """A SIGKILLed daemon leaves its socket file with nobody bound (ECONNREFUSED);
+    a new one takes the path over. The greeting (the hooks' rank record) goes
+    ahead of the first record the new one gets, and only then."""
+    now = [100.0]
+    hello = {"kind": "rank", "t": 1.0, "rank": 0, "world_size": 1, "host": "h", "pid": 1,
+             "addrs": []}  # fmt: skip
+    first = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    first.bind(sock_path)
+    first.setblocking(False)
+    with Emitter(sock_path, retry_interval=1.0, clock=lambda: now[0]) as em:
+        em.set_greeting(lambda: [hello])
+        em.emit({**REC, "step": 1})
+        em.flush()
+        assert drain(first) == [{**REC, "step": 1}]  # no greeting while all is well
+        first.close()  # the crash: the file stays, nobody reads it
+        em.emit({**REC, "step": 2})
+        em.flush()
+        assert (em.sent, em.dropped, em.greetings) == (1, 1, 0)
+        Path(sock_path).unlink()  # what the new daemon does with a stale socket
+        second = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        second.bind(sock_path)
+        second.setblocking(False)
+        try:
+            now[0] += 1.5
+            em.emit({**REC, "step": 3})
+            em.emit({**REC, "step": 4})
+            em.flush()
+            assert drain(second) == [hello, {**REC, "step": 3}, {**REC, "step": 4}]
+            assert (em.sent, em.dropped, em.greetings) == (4, 1, 1)
+        finally:
+            second.close()
+
+
 def test_oversize_and_unencodable_records_are_dropped(
     sock_path: str, receiver: socket.socket
 ) -> None:

@@ -21,6 +21,8 @@ examples:
   torchrun --nproc-per-node 2 -m fsdp_sentinel.trainer --steps 40 \\
       --delay-rank 1 --delay-seconds 0.2 --delay-steps 10:20
   torchrun --nproc-per-node 2 -m fsdp_sentinel.trainer --ternary --dim 256
+  torchrun --nproc-per-node 4 --max-restarts 3 -m fsdp_sentinel.trainer --steps 200 \\
+      --checkpoint-dir /tmp/ckpt --checkpoint-every 10
 """
 
 # What FSDP2 all-gathers for --ternary layers (fsdp_sentinel.trainer.ternary).
@@ -55,6 +57,8 @@ class TrainConfig:
     delay_seconds: float = 0.0
     delay_start: int = 0
     delay_stop: int | None = None  # exclusive; None: to the end
+    checkpoint_dir: str | None = None  # async DCP checkpoints here; resume from the newest
+    checkpoint_every: int = 0  # save after every N-th step (0: only resume, never save)
 
     def delayed(self, rank: int, step: int) -> bool:
         """Whether ``rank`` stalls in ``step`` (steps delay_start .. delay_stop-1)."""
@@ -155,6 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", metavar="PATH", help="also write this rank's records here ({rank} replaced)"
     )
     o.add_argument("--no-hooks", action="store_true", help="train without instrumentation")
+    c = p.add_argument_group("checkpoints (trainer.checkpoint)")
+    c.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="resume from the newest whole checkpoint here (e.g. after torchrun restarts "
+        "a failed job) and save into it",
+    )
+    c.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --checkpoint-dir, save asynchronously after every N-th step (default 0: never)",
+    )
     e = p.add_argument_group("evaluation (a phase with all-gathers only, for measurements)")
     e.add_argument(
         "--eval-steps",
@@ -206,6 +224,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         p.error("--eval-steps must be >= 0")
     if a.ternary and a.param_dtype != "fp32":
         p.error("--ternary all-gathers its own format: leave --param-dtype fp32")
+    if a.checkpoint_every < 0:
+        p.error("--checkpoint-every must be >= 0")
+    if a.checkpoint_every and not a.checkpoint_dir:
+        p.error("--checkpoint-every needs --checkpoint-dir")
     start, stop = a.delay_steps
     return TrainConfig(
         layers=a.layers,
@@ -233,4 +255,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         delay_seconds=a.delay_seconds,
         delay_start=start,
         delay_stop=stop,
+        checkpoint_dir=a.checkpoint_dir,
+        checkpoint_every=a.checkpoint_every,
     )

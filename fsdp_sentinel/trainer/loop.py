@@ -116,12 +116,13 @@ def train(cfg: TrainConfig) -> int:
     inst = instrument(model, socket_path=cfg.socket, trace_out=cfg.trace_out) if cfg.hooks else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     data = make_source(cfg.vocab, cfg.seq_len, cfg.seed, rank, cfg.text)
+    ckpt, first = resume(cfg, model, opt, data, rank)
 
     step_times: list[float] = []
     loss_value = float("nan")
     eval_loss: float | None = None
     try:
-        for step in range(cfg.steps):
+        for step in range(first, cfg.steps):
             x, y = (t.to(cluster.device) for t in data.batch(cfg.batch))
             t0 = time.perf_counter()
             with inst.step(step) if inst else _PlainStep() as span:
@@ -142,6 +143,10 @@ def train(cfg: TrainConfig) -> int:
                 and (step % cfg.log_every == 0 or step == cfg.steps - 1)
             ):
                 print(f"step {step} loss {loss_value:.4f}", flush=True)
+            if ckpt and ckpt.due(step + 1) and step + 1 < cfg.steps:
+                ckpt.save(step + 1)
+        if ckpt:
+            ckpt.close()  # a clean exit leaves no half-written checkpoint
         eval_loss = evaluate(cfg, model, data, inst, cluster.device) if cfg.eval_steps else None
     finally:
         if inst:
@@ -149,7 +154,7 @@ def train(cfg: TrainConfig) -> int:
         dist.destroy_process_group()
 
     # Median over the steps after the first (which pays for lazy init).
-    median = statistics.median(step_times[1:] or step_times)
+    median = statistics.median(step_times[1:] or step_times or [0.0])
     sent, dropped, errors = (inst.sent, inst.dropped, inst.errors) if inst else (0, 0, 0)
     print(
         f"done rank={rank} steps={cfg.steps} loss={loss_value:.4f} step_s={median:.5f} "
@@ -158,6 +163,26 @@ def train(cfg: TrainConfig) -> int:
         flush=True,
     )
     return 0
+
+
+def resume(cfg: TrainConfig, model: Any, opt: Any, data: Any, rank: int) -> tuple[Any, int]:
+    """The checkpointer (None without ``--checkpoint-dir``) and the first step to run:
+    after the newest whole checkpoint, with the data stream moved on to it."""
+    if not cfg.checkpoint_dir:
+        return None, 0
+    from fsdp_sentinel.trainer.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_every, model, opt, rank)
+    got = ckpt.resume()
+    for _ in range(got.step):
+        data.batch(cfg.batch)  # the batches those steps drew, drawn again and dropped
+    if rank == 0 and got.path is not None:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        print(
+            f"resumed step={got.step} from={got.path} load_s={got.load_s:.3f} attempt={attempt}",
+            flush=True,
+        )
+    return ckpt, got.step
 
 
 def evaluate(cfg: TrainConfig, model: Any, data: Any, inst: Any, device: Any) -> float:
