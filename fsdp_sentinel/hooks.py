@@ -123,6 +123,7 @@ class Instrumentation:
         self.host = host
         self.job = job_id(os.environ)
         self.store = store_address(os.environ)
+        self.attempt = attempt_of(os.environ)
         self.clock = clock
         self._owns_emitter = owns_emitter
         self.current_step = 0
@@ -175,6 +176,7 @@ class Instrumentation:
                 "addrs": local_addrs(),
                 **({"job": self.job} if self.job else {}),
                 **({"store": self.store} if self.store else {}),
+                **({"attempt": self.attempt} if self.attempt is not None else {}),
             }
         )
 
@@ -559,6 +561,16 @@ def socket_for(socket_path: str | None | _Env, env: Mapping[str, str]) -> str | 
     """The socket :func:`instrument` sends to: ``socket_path`` when given (None:
     none), else the launcher's choice in ``env`` (``emit.socket_from_env``)."""
     return socket_from_env(env) if socket_path is FROM_ENV else socket_path  # type: ignore[return-value]
+
+
+def attempt_of(env: Mapping[str, str]) -> int | None:
+    """Which attempt of an elastic job this rank runs in: torchelastic's restart
+    count (0 at first, one more after each restart of the workers), so a daemon
+    sees a restart as a new attempt of the same job, not a new job nor its old
+    ranks gone silent (docs/trace-format.md, ``rank.attempt``); None outside
+    torchelastic or when it is not a count."""
+    raw = env.get("TORCHELASTIC_RESTART_COUNT", "")
+    return int(raw) if raw.isdigit() and int(raw) < 2**31 else None
 
 
 def store_address(env: Mapping[str, str]) -> str:

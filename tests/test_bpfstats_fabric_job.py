@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_sentinel.fabric import FabricTotals, is_error_counter
-from fsdp_sentinel.hooks import job_id
+from fsdp_sentinel.hooks import attempt_of, job_id
 from fsdp_sentinel.probes import bpfstats
 from fsdp_sentinel.snapshot import NcclView, RdmaPortView
 
@@ -98,3 +98,11 @@ def test_announced_job_reaches_every_rank_series() -> None:
     assert {r.job for r in snap.ranks} == {"run-9"}
     rank_samples = [s for f in families(snap) for s in f.samples if "rank" in s.labels]
     assert rank_samples and all(s.labels["job"] == "run-9" for s in rank_samples)
+
+
+def test_attempt_is_torchelastics_restart_count() -> None:
+    assert attempt_of({"TORCHELASTIC_RESTART_COUNT": "0"}) == 0
+    assert attempt_of({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
+    assert attempt_of({}) is None
+    assert attempt_of({"TORCHELASTIC_RESTART_COUNT": "-1"}) is None
+    assert attempt_of({"TORCHELASTIC_RESTART_COUNT": "x"}) is None

@@ -198,7 +198,10 @@ def test_the_daemons_cluster_pipeline_hands_back_the_leaders_verdicts(server) ->
     assert cp.agent.view == "cluster" and cp.agent.stats["takeovers"] == 1
 
 
-def _cluster_samples(snap) -> dict[tuple[str, tuple[str, ...]], float]:  # type: ignore[no-untyped-def]
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _cluster_samples(snap) -> dict[Sample, float]:  # type: ignore[no-untyped-def]
     from fsdp_sentinel.exporters.prometheus import families
 
     out = {}
@@ -218,7 +221,7 @@ def test_a_node_without_its_store_detects_alone_and_says_so_in_a_metric(server) 
             r["store"], r["job"] = "127.0.0.1:1", "jv"  # nothing listens there
     agent = ClusterAgent("vm", connect=lambda a: tcp_store(a, timeout_s=0.5), retry_s=3600)
     cp = ClusterPipeline(Pipeline(), agent)  # stepped here, not on its thread
-    got = []
+    got: list[dict] = []
     for r in recs:
         got.extend(cp.feed(r))
         if r.get("kind") == "rank":

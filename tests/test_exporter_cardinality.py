@@ -71,9 +71,9 @@ def test_series_do_not_grow_with_steps() -> None:
 
 def test_every_family_is_documented() -> None:
     documented = set(re.findall(r"^\| `(fsdp_sentinel_\w+)`", DOC.read_text(), re.M))
-    from test_exporter_prometheus import SNAP, text_of
-
     import dataclasses
+
+    from test_exporter_prometheus import SNAP, text_of
 
     from fsdp_sentinel.snapshot import ClusterView
 

@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.root, pytest.mark.lab, pytest.mark.torch]
 
 NAME = "fss-nd"
 INTERVAL = 0.5
+STEPS = 40  # long enough to outlive a takeover (a job that ends takes its store along)
 SMALL = ["--layers", "2", "--dim", "64", "--batch", "2", "--seq-len", "32", "--threads", "1",
          "--log-every", "0"]  # fmt: skip
 
@@ -75,7 +76,7 @@ def test_leader_daemon_killed_mid_run_next_node_leads_within_3_windows(
         nodes.wait_ready()
         env = {h: {"FSDP_SENTINEL_SOCKET": str(nodes.socket(h))} for h in nodes.hosts}
         procs = launch_torchrun(
-            lab, ["--steps", "30", *SMALL], master_port=29641, log_dir=tmp_path / "logs",
+            lab, ["--steps", str(STEPS), *SMALL], master_port=29641, log_dir=tmp_path / "logs",
             host_env=env,
         )  # fmt: skip
         try:
@@ -131,7 +132,7 @@ def test_leader_daemon_killed_mid_run_next_node_leads_within_3_windows(
             r for r in trace.read_trace(tmp_path / "nodes" / h / "trace.jsonl.zst", strict=False)
             if r.get("kind") == "step"
         ]  # fmt: skip
-        assert len(own) == 30  # its own rank's every step reached its daemon
+        assert len(own) == STEPS  # its own rank's every step reached its daemon
 
 
 def test_two_jobs_one_after_another_through_one_daemon(lab: Lab, tmp_path: Path) -> None:
@@ -144,8 +145,8 @@ def test_two_jobs_one_after_another_through_one_daemon(lab: Lab, tmp_path: Path)
     ) as daemon:  # fmt: skip
         daemon.wait_ready()
         for i, (job, slow) in enumerate(delays.items()):
-            args = ["--steps", "16", *SMALL, "--socket", str(sock), "--delay-rank", str(slow),
-                    "--delay-seconds", "0.6", "--delay-steps", "4:"]  # fmt: skip
+            args = ["--steps", "20", *SMALL, "--socket", str(sock), "--delay-rank", str(slow),
+                    "--delay-seconds", "0.6", "--delay-steps", "6:"]  # fmt: skip
             procs = launch_torchrun(
                 lab, args, master_port=29651 + i, log_dir=tmp_path / job,
                 env={"FSDP_SENTINEL_JOB": job},
