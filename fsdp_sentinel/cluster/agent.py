@@ -128,7 +128,10 @@ class ClusterAgent:
         store = self._store_now()
         with self._lock:
             ranks = [self._ranks[r] for r in sorted(self._ranks)]
-            if store is None or not ranks:
+            if not ranks:  # no job on this node yet: nothing to keep (probe polls only)
+                self.windows.window(now)
+                return []
+            if store is None:
                 away = self._away_since
                 if away is None:
                     away = self._away_since = self.clock()
@@ -203,7 +206,7 @@ class ClusterAgent:
     def _lost_store(self, why: object = "") -> None:
         if self.view == "cluster" or self.stats["store_errors"] == 0:
             log.warning("cluster: %s cannot reach the store (%s); detecting within the node, "
-                        "trying again in %g s", self.node, str(why).splitlines()[0][:200],
+                        "trying again in %g s", self.node, (str(why).splitlines() or [""])[0][:200],
                         self.retry_s)  # fmt: skip
         self.stats["store_errors"] += 1
         if self._away_since is None:
