@@ -248,3 +248,55 @@ def test_a_node_without_its_store_detects_alone_and_says_so_in_a_metric(server) 
     assert samples[("fsdp_sentinel_cluster_takeovers_total", (("job", "jv"),))] == 1.0
     # A daemon not in cluster mode exports none of these.
     assert _cluster_samples(Pipeline().snapshot()) == {}
+
+
+def test_one_agent_per_job_two_jobs_one_after_another(server) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from fsdp_sentinel.cluster.agent import per_job_pipelines
+
+    second = torch_dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=5),
+    )  # fmt: skip
+    router, made = per_job_pipelines("vm", None, interval_s=0.05)
+    got: dict[str, list[dict]] = {"ja": [], "jb": []}
+    t_end = 0.0
+    try:
+        for job, capture, port in (
+            ("ja", "lab-slow-compute.jsonl.zst", server.port),
+            ("jb", "lab-slow-link.jsonl.zst", second.port),
+        ):
+            recs = [r for r in trace.read_trace(TRACES / capture) if r["kind"] != "header"]
+            gap = t_end + 5.0 - min(trace.record_time(r) for r in recs) if t_end else 0.0
+            for r in recs:
+                for k in ("t", "start", "end", "issue"):
+                    if k in r:
+                        r[k] += gap
+                if "pid" in r:
+                    r["pid"] += 100000 * len(job) * (job == "jb")
+                if r["kind"] == "rank":
+                    r["store"], r["job"] = f"127.0.0.1:{port}", job
+            for r in recs:
+                for v in router.feed(r):
+                    got[v.get("job", "")].append(v)
+            t_end = max(trace.record_time(r) for r in recs)
+            deadline = time.monotonic() + 10.0
+            want = _flags(Pipeline().feed_many(
+                r for r in trace.read_trace(TRACES / capture) if r["kind"] != "header"
+            ))  # fmt: skip
+            while len(_flags(got[job])) < len(want) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                for v in router.feed({"kind": "clock", "t": t_end}):
+                    got[v.get("job", "")].append(v)
+            assert [(r, c) for _, r, c in _flags(got[job])] == [(r, c) for _, r, c in want]
+            assert {v["evidence"]["view"] for v in got[job] if v["state"] == "flagged"} == {
+                "cluster"
+            }
+    finally:
+        made.stop()
+    agents = made.agents()
+    # Each job met its own store and led it; nothing of one job reached the other's.
+    assert sorted(a.job or "" for a in agents) == ["ja", "jb"]
+    assert all(a.stats["takeovers"] == 1 for a in agents)
+    assert {c.job for c in router.snapshot().cluster} <= {"ja", "jb"}
