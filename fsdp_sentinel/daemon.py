@@ -714,12 +714,12 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.cluster:
         # One daemon per node; the job's own store joins them (docs/cluster.md).
-        # One agent per job, each meeting the other nodes in its job's store.
-        from fsdp_sentinel.cluster.agent import per_job_pipelines
+        from fsdp_sentinel.cluster.agent import ClusterAgent, ClusterPipeline
 
-        pipeline, agents = per_job_pipelines(
-            host, getattr(pipeline, "config", None), _store_client(args.netns), args.interval
+        agent = ClusterAgent(
+            host, config=getattr(pipeline, "config", None), connect=_store_client(args.netns)
         )
+        pipeline = ClusterPipeline(pipeline, agent, args.interval).start()
     daemon = Daemon(config, pipeline=pipeline, remediator=remediator, host=host)
     previous = _install_signals(daemon)
     try:
@@ -741,7 +741,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         daemon.close()
         if args.cluster:
-            agents.stop()
+            pipeline.close()  # type: ignore[attr-defined]
         for sig, old in previous:
             signal.signal(sig, old)
     return 0

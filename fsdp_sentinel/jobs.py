@@ -449,8 +449,6 @@ class JobRouter:
                 JobView(job=j.job, attempt=j.attempt, world_size=s.world_size, ranks=len(s.ranks))
                 for j, s in snaps
             ),
-            # Cluster mode: each job's pipeline is a node daemon's part in it.
-            cluster=tuple(c for _, s in snaps for c in s.cluster),
         )
 
 

@@ -72,7 +72,6 @@ class ClusterAgent:
         self.hold_s = hold_s
         self._away_since: float | None = None
         self._unsent: Window | None = None  # cut, but its publish failed
-        self._met = False  # the store answered once
         self.clock = clock
         self.windows = NodeWindows(node)
         self.liveness = Liveness(miss)
@@ -187,7 +186,6 @@ class ClusterAgent:
                 log.info("cluster: %s meets the other nodes in %s (job %r)", self.node,
                          self.address, self.job)  # fmt: skip
             self.view = "cluster"
-            self._met = True
             self._away_since = None
             return heard
         except StoreUnreachable as e:
@@ -251,18 +249,6 @@ class ClusterAgent:
         det.set_dark(dark)
         return det.ingest(windows)
 
-    @property
-    def finished(self) -> bool:
-        """The job is over as far as this node can tell: it met the store once,
-        and the store has been out of reach for ``hold_s`` (torchrun's store
-        goes with the job)."""
-        away = self._away_since
-        return self._met and away is not None and self.clock() - away > self.hold_s
-
-    def revive(self) -> None:
-        """Its job spoke again after :attr:`finished`: meet the store afresh."""
-        self._away_since, self._retry_at = None, -float("inf")
-
     def cluster_view(self) -> ClusterView:
         """This node's part, for the snapshot (and the ``cluster_*`` metrics)."""
         return ClusterView(
@@ -292,31 +278,16 @@ def _joined(a: Window, b: Window) -> Window:
 
 
 class AgentThread:
-    """Runs :meth:`ClusterAgent.step` of its agent every ``interval_s`` on a
-    thread of its own (a store call may wait for seconds: one job's dead
-    store must not hold another job's windows back); the job's pipeline
-    collects the verdicts it heard with :meth:`drain`. Once its agent's job is
-    over (:attr:`ClusterAgent.finished`) the thread ends by itself."""
+    """Runs :meth:`ClusterAgent.step` every ``interval_s`` on its own thread; the
+    daemon collects the verdicts heard with :meth:`drain`."""
 
-    def __init__(self, agent: ClusterAgent | None = None, interval_s: float = 0.5) -> None:
+    def __init__(self, agent: ClusterAgent, interval_s: float = 0.5) -> None:
+        self.agent = agent
         self.interval_s = interval_s
-        self._agents: list[ClusterAgent] = []
-        self._out: dict[int, list[Record]] = {}  # id(agent) -> verdicts heard
+        self._out: list[Record] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fss-cluster", daemon=True)
-        if agent is not None:
-            self.add(agent)
-
-    def add(self, agent: ClusterAgent) -> None:
-        with self._lock:
-            if all(a is not agent for a in self._agents):
-                self._agents.append(agent)
-                self._out.setdefault(id(agent), [])
-
-    def agents(self) -> list[ClusterAgent]:
-        with self._lock:
-            return list(self._agents)
 
     def start(self) -> AgentThread:
         self._thread.start()
@@ -324,53 +295,36 @@ class AgentThread:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for agent in self.agents():
-                try:
-                    got = agent.step(time.time())
-                except Exception:  # never take the daemon down; count and go on
-                    agent.stats["store_errors"] += 1
-                    continue
+            try:
+                got = self.agent.step(time.time())
+            except Exception:  # never take the daemon down; count and go on
+                self.agent.stats["store_errors"] += 1
+                continue
+            if got:
                 with self._lock:
-                    if got:
-                        self._out[id(agent)].extend(got)
-                    if agent.finished:
-                        self._agents.remove(agent)
-            if not self.agents():
-                return  # every agent's job is over
+                    self._out.extend(got)
 
-    def drain(self, agent: ClusterAgent) -> list[Record]:
+    def drain(self) -> list[Record]:
         with self._lock:
-            out = self._out.get(id(agent))
-            if not out:
-                return []
-            self._out[id(agent)] = []
+            out, self._out = self._out, []
         return out
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop and join: a store call in flight (a connect retried up to its
         timeout twice) must end before the interpreter does, or torch aborts it."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout_s)
+        self._thread.join(timeout=timeout_s)
 
 
 class ClusterPipeline:
-    """One job's pipeline in cluster mode (``fsdp-sentinel run --cluster``).
+    """The daemon's pipeline in cluster mode (``fsdp-sentinel run --cluster``).
 
-    Wraps the node's own :class:`~fsdp_sentinel.pipeline.Pipeline` of the job
-    (what the daemon runs over its node's records of it): every record also
-    goes to the job's agent; the verdicts handed back are the leader's, as
-    they arrive (each record the daemon handles, its own clock record every
-    interval at least, collects them), or, while the store is away, the node
-    pipeline's own, marked ``view: node``. The snapshot is the node's own,
-    with the agent's :class:`~fsdp_sentinel.snapshot.ClusterView`. Anything
-    else (``state``, ``stats``, ``corr`` ...) is the node pipeline's, so the
-    job router (:mod:`fsdp_sentinel.jobs`) holds one of these per job as it
-    would a pipeline (:func:`per_job_pipelines`). Its agent runs on a thread
-    of its own, started by :meth:`start`.
+    Wraps the node's own :class:`~fsdp_sentinel.pipeline.Pipeline` (what the
+    daemon already runs over its node's records): every record also goes to
+    the agent; the verdicts handed back are the leader's, as they arrive
+    (each record the daemon handles, its own clock record every interval at
+    least, collects them), or, while the store is away, the node pipeline's
+    own, marked ``view: node``. The snapshot is the node's own.
     """
 
     def __init__(self, pipeline: Any, agent: ClusterAgent, interval_s: float = 0.5) -> None:
@@ -383,70 +337,13 @@ class ClusterPipeline:
         return self
 
     def feed(self, rec: Record) -> Sequence[Record]:
-        agent = self.agent
-        if agent.finished and rec.get("kind") in ("rank", "step", "coll"):
-            agent.revive()  # a job quiet long enough to be let go speaks again
-            if not self.thread.alive():
-                self.thread = AgentThread(agent, self.thread.interval_s).start()
-        agent.feed(rec)
-        out = agent.local(self.pipeline.feed(rec))
-        heard = self.thread.drain(agent)
+        self.agent.feed(rec)
+        out = self.agent.local(self.pipeline.feed(rec))
+        heard = self.thread.drain()
         return out + heard if heard else out
 
     def snapshot(self) -> Any:
         return dataclasses.replace(self.pipeline.snapshot(), cluster=(self.agent.cluster_view(),))
 
-    @property
-    def state(self) -> Any:
-        return self.pipeline.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.pipeline.state = value  # an elastic restart's history (jobs.restart_state)
-
-    def __getattr__(self, name: str) -> Any:
-        # Everything else the router reads of a pipeline (stats, corr, open, end ...).
-        if name == "pipeline":  # not set yet (a copy, an unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.pipeline, name)
-
     def close(self) -> None:
         self.thread.stop()
-
-
-class JobAgents:
-    """Every job's :class:`ClusterPipeline` a daemon made (``run --cluster``):
-    their agents, and one :meth:`stop` for all at exit."""
-
-    def __init__(self) -> None:
-        self.pipelines: list[ClusterPipeline] = []
-
-    def agents(self) -> list[ClusterAgent]:
-        return [p.agent for p in self.pipelines]
-
-    def stop(self) -> None:
-        for p in self.pipelines:
-            p.thread.stop()
-
-
-def per_job_pipelines(
-    node: str,
-    config: DetectConfig | None,
-    connect: Callable[[str], KVStore] = tcp_store,
-    interval_s: float = 0.5,
-) -> tuple[Any, JobAgents]:
-    """What ``run --cluster`` runs: a job router whose every job's pipeline is a
-    :class:`ClusterPipeline` with an agent (and a thread) of its own: the
-    job's own store, roster and leader."""
-    from fsdp_sentinel.jobs import JobRouter
-    from fsdp_sentinel.pipeline import Pipeline
-
-    made = JobAgents()
-
-    def job_pipeline(cfg: DetectConfig | None) -> Any:
-        agent = ClusterAgent(node, config=cfg, connect=connect)
-        cp = ClusterPipeline(Pipeline(cfg), agent, interval_s).start()
-        made.pipelines.append(cp)
-        return cp
-
-    return JobRouter(config, pipeline_factory=job_pipeline), made
