@@ -409,6 +409,7 @@ def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
             if n is not None:
                 ws.add_metric([job], float(n))
         yield ws
+    yield from _cluster_families(snap)
     newest = _gauge(
         "last_record_timestamp_seconds",
         "Time of the newest record seen (Unix seconds).",
@@ -422,6 +423,32 @@ def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
     build = _gauge("build_info", "The running fsdp-sentinel: always 1.", ["version"])
     build.add_metric([__version__], 1.0)
     yield build
+
+
+#: The values of ``cluster_view``: every one is exported, 1 for the node's view now.
+CLUSTER_VIEWS = ("cluster", "node")
+
+
+def _cluster_families(snap: Snapshot) -> Iterator[Metric]:
+    """Cluster mode only (``run --cluster``): which view this node detects with."""
+    if not snap.cluster:
+        return
+    view = _gauge(
+        "cluster_view",
+        "1 for the view this node daemon acts on: cluster (the leader's verdicts, the job's "
+        "store answers) or node (its own ranks only, the store is out of reach).",
+        ["job", "view"],
+    )
+    leading = _gauge("cluster_leading", "1 while this node daemon leads the job.", ["job"])
+    takeovers = _counter(
+        "cluster_takeovers_total", "Times this node daemon began to lead the job.", ["job"]
+    )
+    for c in sorted(snap.cluster, key=lambda c: c.job):
+        for v in CLUSTER_VIEWS:
+            view.add_metric([c.job, v], 1.0 if c.view == v else 0.0)
+        leading.add_metric([c.job], 1.0 if c.leading else 0.0)
+        takeovers.add_metric([c.job], float(c.takeovers))
+    yield from (view, leading, takeovers)
 
 
 def build_registry(

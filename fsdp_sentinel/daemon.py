@@ -124,10 +124,14 @@ def make_remediator(mode: str, host: str, **options: Any) -> Remediator:
     return built
 
 
-def default_probes(interval: float, host: str) -> ProbeSource:
+def default_probes(interval: float, host: str, netns: str | None = None) -> ProbeSource:
+    """The probes, counting only registered pids; ``netns``: read only that named
+    namespace's devices (a node daemon for one lab host or pod), else every one's."""
     from fsdp_sentinel.probes.loader import ProbeConfig, ProbeSet
 
-    probes: ProbeSource = ProbeSet(ProbeConfig(interval=interval, pid_filter=True, host=host))
+    only = (netns,) if netns else None
+    config = ProbeConfig(interval=interval, pid_filter=True, host=host, netns_only=only)
+    probes: ProbeSource = ProbeSet(config)
     return probes
 
 
@@ -605,6 +609,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "store (found from the ranks' rank records), elect a leader, act on its verdicts",
     )
     parser.add_argument(
+        "--netns",
+        metavar="NAME",
+        type=_netns_name,
+        help="the node is this named network namespace (/run/netns/NAME): read only its "
+        "devices, and reach the job's store from inside it (the daemon itself stays here)",
+    )
+    parser.add_argument(
         "--interval",
         type=_interval,
         default=1.0,
@@ -634,6 +645,14 @@ def _metrics_addr(text: str) -> tuple[str, int] | None:
         return parse_addr(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _netns_name(text: str) -> str:
+    from fsdp_sentinel.cluster.netns import NETNS_DIR
+
+    if "/" in text or text in ("", ".", "..") or not os.path.exists(os.path.join(NETNS_DIR, text)):
+        raise argparse.ArgumentTypeError(f"no network namespace {text!r} in {NETNS_DIR}")
+    return text
 
 
 def _device_spec(text: str) -> str:
@@ -697,15 +716,16 @@ def main(args: argparse.Namespace) -> int:
         # One daemon per node; the job's own store joins them (docs/cluster.md).
         from fsdp_sentinel.cluster.agent import ClusterAgent, ClusterPipeline
 
-        pipeline = ClusterPipeline(
-            pipeline, ClusterAgent(host, config=getattr(pipeline, "config", None)), args.interval
-        ).start()
+        agent = ClusterAgent(
+            host, config=getattr(pipeline, "config", None), connect=_store_client(args.netns)
+        )
+        pipeline = ClusterPipeline(pipeline, agent, args.interval).start()
     daemon = Daemon(config, pipeline=pipeline, remediator=remediator, host=host)
     previous = _install_signals(daemon)
     try:
         try:
             if not args.no_probes:
-                daemon.probes = default_probes(args.interval, host)
+                daemon.probes = default_probes(args.interval, host, args.netns)
             daemon.start()
         except Exception as e:
             if type(e).__name__ == "ProbePermissionError":
@@ -725,6 +745,20 @@ def main(args: argparse.Namespace) -> int:
         for sig, old in previous:
             signal.signal(sig, old)
     return 0
+
+
+def _store_client(netns: str | None) -> Callable[[str], Any]:
+    """The cluster agent's store client: the job's TCPStore, reached from ``netns``."""
+    from fsdp_sentinel.cluster.netns import in_netns
+    from fsdp_sentinel.cluster.store import StoreUnreachable, tcp_store
+
+    def connect(address: str) -> Any:
+        try:
+            return in_netns(netns, lambda: tcp_store(address, timeout_s=5.0))
+        except OSError as e:  # the namespace went away: the store is out of reach
+            raise StoreUnreachable(f"{address} from netns {netns}: {e}") from e
+
+    return connect
 
 
 def _run_with_live_table(daemon: Daemon, interval: float) -> None:

@@ -128,6 +128,29 @@ class JobView:
 
 
 @dataclass(frozen=True)
+class ClusterView:
+    """A node daemon's part in cluster mode for one job (docs/cluster.md).
+
+    ``view``: ``"cluster"`` while the job's store answers (the leader's
+    verdicts are acted on), ``"node"`` while it does not (the node's own);
+    ``leader``: the node it follows (None: none yet); ``leading``: it is that
+    node; ``takeovers``: times this node began to lead; ``windows``: windows
+    it published; ``failover_windows``: at the last change of leader away
+    from a node gone dark, this node's windows from that node's last
+    heartbeat to following the next (None: no such change yet).
+    """
+
+    job: str
+    node: str
+    view: str
+    leader: str | None = None
+    leading: bool = False
+    takeovers: int = 0
+    windows: int = 0
+    failover_windows: int | None = None
+
+
+@dataclass(frozen=True)
 class BpfProgramView:
     """Kernel run statistics of one loaded BPF program (``run_cnt``,
     ``run_time_ns`` in its fdinfo; they count only while BPF stats are on)."""
@@ -170,6 +193,8 @@ class Snapshot:
     evictions_total: dict[str, int] = field(default_factory=dict)
     #: The daemon's supervised threads (ingest, pipeline, http): times each was started again.
     thread_restarts_total: dict[str, int] = field(default_factory=dict)
+    #: Cluster mode (``run --cluster``): this node's view per job; empty otherwise.
+    cluster: tuple[ClusterView, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,4 +223,5 @@ _NESTED: dict[str, type] = {
     "nccl": NcclView,
     "remediation": RemediationView,
     "jobs": JobView,
+    "cluster": ClusterView,
 }

@@ -10,7 +10,7 @@ they *are* the driver's counters.
 
 Namespaces read: the caller's own and every named one under ``netns_dir``
 (``ip netns add`` puts them there; the lab's hosts live there), rescanned at
-every poll. A device name already seen in an earlier namespace (every
+every poll; or, with ``only``, just those named (a node daemon for one host). A device name already seen in an earlier namespace (every
 namespace has its own ``lo``) is reported as ``name@netns``.
 
 pyroute2 is imported only when a reader opens, so this module imports on any
@@ -87,13 +87,18 @@ class DeviceStats:
     ``poll()`` returns ``{name: (deltas, sample)}`` since the previous poll;
     ``close()`` closes the netlink sockets (idempotent)."""
 
-    def __init__(self, netns_dir: str | None = "/run/netns") -> None:
+    def __init__(
+        self, netns_dir: str | None = "/run/netns", only: tuple[str, ...] | None = None
+    ) -> None:
         self.netns_dir = netns_dir
+        self.only = only  # just these named namespaces (a node daemon for one of them)
         self._socks: dict[str, Any] = {}  # "" = our own namespace
         self._prev: dict[tuple[str, int, str], DevSample] = {}
         self.errors: dict[str, str] = {}  # namespace -> last read error
 
     def _namespaces(self) -> list[str]:
+        if self.only is not None:
+            return list(self.only)
         names = [""]
         if self.netns_dir:
             with contextlib.suppress(OSError):

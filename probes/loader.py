@@ -97,6 +97,9 @@ class ProbeConfig:
     proc_root: str = "/proc"
     #: named network namespaces whose devices ``netdev`` reads too (None: only ours)
     netns_dir: str | None = "/run/netns"
+    #: only these named namespaces' devices, not our own nor the rest (a node daemon
+    #: for one lab host or pod); None: ours and every one under ``netns_dir``
+    netns_only: tuple[str, ...] | None = None
     rdma_root: str | None = "/sys/class/infiniband"  # None: no RDMA port counters
     library_scan_interval: float = 5.0
     max_flows: int = 16384
@@ -284,7 +287,7 @@ class ProbeSet:
             self._sockdiag.retrans_delta(self._sockdiag.read(self._registered))  # baseline
             self.report.attached.append("sock_diag:tcp_info")
         if "netdev" in self.config.families:
-            self._devstats = DeviceStats(self.config.netns_dir)
+            self._devstats = DeviceStats(self.config.netns_dir, only=self.config.netns_only)
             self._devstats.poll()  # baseline
             self.report.attached.append("netlink:link+qdisc stats")
         self.scan_libraries(force=True)

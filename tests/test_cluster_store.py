@@ -196,3 +196,55 @@ def test_the_daemons_cluster_pipeline_hands_back_the_leaders_verdicts(server) ->
     want = _flags(Pipeline().feed_many(recs))
     assert [(r, c) for _, r, c in _flags(local + got)] == [(r, c) for _, r, c in want]
     assert cp.agent.view == "cluster" and cp.agent.stats["takeovers"] == 1
+
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _cluster_samples(snap) -> dict[Sample, float]:  # type: ignore[no-untyped-def]
+    from fsdp_sentinel.exporters.prometheus import families
+
+    out = {}
+    for fam in families(snap):
+        if fam.name.startswith("fsdp_sentinel_cluster_"):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_a_node_without_its_store_detects_alone_and_says_so_in_a_metric(server) -> None:  # type: ignore[no-untyped-def]
+    from fsdp_sentinel.cluster.agent import ClusterPipeline
+
+    recs = list(trace.read_trace(TRACES / "lab-slow-compute.jsonl.zst"))
+    for r in recs:
+        if r.get("kind") == "rank":
+            r["store"], r["job"] = "127.0.0.1:1", "jv"  # nothing listens there
+    agent = ClusterAgent("vm", connect=lambda a: tcp_store(a, timeout_s=0.5), retry_s=3600)
+    cp = ClusterPipeline(Pipeline(), agent)  # stepped here, not on its thread
+    got: list[dict] = []
+    for r in recs:
+        got.extend(cp.feed(r))
+        if r.get("kind") == "rank":
+            agent.step(trace.record_time(r))
+    # Detection within the node goes on, and every verdict says whose view it is.
+    want = _flags(Pipeline().feed_many(recs))
+    assert [(r, c) for _, r, c in _flags(got)] == [(r, c) for _, r, c in want] and want
+    assert {v["evidence"]["view"] for v in got} == {"node"}
+    assert agent.stats["store_errors"] >= 1
+    view = {
+        ("fsdp_sentinel_cluster_view", (("job", "jv"), ("view", v))) for v in ("cluster", "node")
+    }
+    samples = _cluster_samples(cp.snapshot())
+    assert {k: samples[k] for k in view} == {
+        ("fsdp_sentinel_cluster_view", (("job", "jv"), ("view", "node"))): 1.0,
+        ("fsdp_sentinel_cluster_view", (("job", "jv"), ("view", "cluster"))): 0.0,
+    }
+    # The store comes back: the leader's view, and this node leads it.
+    agent.address, agent._retry_at, agent.store = f"127.0.0.1:{server.port}", 0.0, None
+    agent.step(trace.record_time(recs[-1]))
+    samples = _cluster_samples(cp.snapshot())
+    assert samples[("fsdp_sentinel_cluster_view", (("job", "jv"), ("view", "cluster")))] == 1.0
+    assert samples[("fsdp_sentinel_cluster_leading", (("job", "jv"),))] == 1.0
+    assert samples[("fsdp_sentinel_cluster_takeovers_total", (("job", "jv"),))] == 1.0
+    # A daemon not in cluster mode exports none of these.
+    assert _cluster_samples(Pipeline().snapshot()) == {}

@@ -181,6 +181,8 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
         (["--metrics-addr", "9464"], "HOST:PORT"),
         (["--remediate", "maybe"], "invalid choice"),
         (["--bogus"], "unrecognized arguments"),
+        (["--netns", "fss-no-such-namespace"], "no network namespace"),
+        (["--netns", "../etc"], "no network namespace"),
     ],
 )
 def test_bad_flags_exit_2_with_usage(argv: list[str], message: str) -> None:

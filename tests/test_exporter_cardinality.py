@@ -71,9 +71,15 @@ def test_series_do_not_grow_with_steps() -> None:
 
 def test_every_family_is_documented() -> None:
     documented = set(re.findall(r"^\| `(fsdp_sentinel_\w+)`", DOC.read_text(), re.M))
+    import dataclasses
+
     from test_exporter_prometheus import SNAP, text_of
 
-    exported = {f.name for f in text_string_to_metric_families(text_of(SNAP))}
+    from fsdp_sentinel.snapshot import ClusterView
+
+    # Cluster mode's families too (a node daemon of `run --cluster`).
+    snap = dataclasses.replace(SNAP, cluster=(ClusterView("j", "n0", "node"),))
+    exported = {f.name for f in text_string_to_metric_families(text_of(snap))}
     # the text parser names counters without _total and histograms by family
     exported = {n for n in exported if n.startswith("fsdp_sentinel_")}
     doc_families = {re.sub(r"_total$", "", n) for n in documented}

@@ -23,6 +23,8 @@ marked ``evidence.view = "node"``.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,8 +35,11 @@ from fsdp_sentinel.cluster.node import NodeWindows
 from fsdp_sentinel.cluster.store import ClusterStore, KVStore, StoreUnreachable, tcp_store
 from fsdp_sentinel.cluster.summary import Window, decode, encode
 from fsdp_sentinel.detect import DetectConfig
+from fsdp_sentinel.snapshot import ClusterView
 
 Record = dict[str, Any]
+
+log = logging.getLogger("fsdp_sentinel.cluster")
 
 
 class ClusterAgent:
@@ -52,6 +57,7 @@ class ClusterAgent:
         address: str | None = None,
         job: str | None = None,
         retry_s: float = 5.0,
+        hold_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
@@ -60,6 +66,12 @@ class ClusterAgent:
         self.address = address
         self.job = job
         self.retry_s = retry_s
+        # While the store is away a node keeps filing (its next window holds
+        # it all, so the leader misses nothing of a short outage), up to
+        # ``hold_s``; after that it cuts and drops windows (bounded memory).
+        self.hold_s = hold_s
+        self._away_since: float | None = None
+        self._unsent: Window | None = None  # cut, but its publish failed
         self.clock = clock
         self.windows = NodeWindows(node)
         self.liveness = Liveness(miss)
@@ -74,13 +86,14 @@ class ClusterAgent:
         self._joined = False
         self._vseq = 0
         self._retry_at = -float("inf")
-        self.stats = {
+        self.stats: dict[str, Any] = {
             "windows": 0,
             "leader_windows": 0,
             "takeovers": 0,
             "store_errors": 0,
             "verdicts_heard": 0,
-        }
+            "windows_dropped": 0,
+        }  # and "failover_windows" once the leader changed away from a dark node
 
     # ------------------------------------------------------------ record thread
 
@@ -112,12 +125,24 @@ class ClusterAgent:
 
     def step(self, now: float | None = None) -> list[Record]:
         """One interval: publish, elect, lead when elected; the leader's new verdicts."""
-        with self._lock:
-            window = self.windows.window(now)
-            ranks = [self._ranks[r] for r in sorted(self._ranks)]
         store = self._store_now()
-        if store is None or not ranks:
-            return []
+        with self._lock:
+            ranks = [self._ranks[r] for r in sorted(self._ranks)]
+            if not ranks:  # no job on this node yet: nothing to keep (probe polls only)
+                self.windows.window(now)
+                return []
+            if store is None:
+                away = self._away_since
+                if away is None:
+                    away = self._away_since = self.clock()
+                if self.clock() - away > self.hold_s:
+                    self.windows.window(now)  # the store has been away too long: drop it
+                    self.stats["windows_dropped"] += 1
+                return []
+            window = self.windows.window(now)
+            if self._unsent is not None:  # cut before the store failed: it goes with this one
+                window = _joined(self._unsent, window)
+                self._unsent = None
         try:
             if not self._joined:
                 beats = store.heartbeats([self.node])
@@ -130,16 +155,24 @@ class ClusterAgent:
             elif len(ranks) != self._ranks_sent:
                 store.set_ranks(self.node, ranks)
                 self._ranks_sent = len(ranks)
-            store.publish(self.node, window.seq, encode(window))
+            try:
+                store.publish(self.node, window.seq, encode(window))
+            except StoreUnreachable:
+                self._unsent = window
+                raise
             self.stats["windows"] += 1
             roster = store.roster()
             beats = store.heartbeats([n for _, n in roster])
             dark = self.liveness.observe(beats)
-            self.leader = leader_of(roster, dark)
+            before, self.leader = self.leader, leader_of(roster, dark)
             if self.leader is not None and roster[0][0] != 0 and self.liveness.tick < self.wait:
                 # Rank 0's node has not joined yet (daemons start in any order):
                 # wait for it a while rather than hand the lead over at once.
                 self.leader = None
+            if before is not None and self.leader not in (None, before) and before in dark:
+                # How long the job went without a leader, as this node counts.
+                self.stats["failover_windows"] = self.liveness.windows_since(before)
+                log.info("cluster: %s follows %s (%s went dark)", self.node, self.leader, before)
             if self.leader == self.node:
                 verdicts = self._lead(store, roster, beats, dark)
                 if verdicts:
@@ -149,10 +182,14 @@ class ClusterAgent:
             live = max(1, len(roster) - len(dark & {n for _, n in roster}))
             self._vseq, heard = store.read_verdicts(self._vseq, live)
             self.stats["verdicts_heard"] += len(heard)
+            if self.view != "cluster":
+                log.info("cluster: %s meets the other nodes in %s (job %r)", self.node,
+                         self.address, self.job)  # fmt: skip
             self.view = "cluster"
+            self._away_since = None
             return heard
-        except StoreUnreachable:
-            self._lost_store()
+        except StoreUnreachable as e:
+            self._lost_store(e)
             return []
 
     def _store_now(self) -> ClusterStore | None:
@@ -162,12 +199,18 @@ class ClusterAgent:
             return None
         try:
             self.store = ClusterStore(self.connect(self.address), self.job or "")
-        except StoreUnreachable:
-            self._lost_store()
+        except StoreUnreachable as e:
+            self._lost_store(e)
         return self.store
 
-    def _lost_store(self) -> None:
+    def _lost_store(self, why: object = "") -> None:
+        if self.view == "cluster" or self.stats["store_errors"] == 0:
+            log.warning("cluster: %s cannot reach the store (%s); detecting within the node, "
+                        "trying again in %g s", self.node, (str(why).splitlines() or [""])[0][:200],
+                        self.retry_s)  # fmt: skip
         self.stats["store_errors"] += 1
+        if self._away_since is None:
+            self._away_since = self.clock()
         self.view = "node"
         self.store = None
         self.detector = None
@@ -190,6 +233,8 @@ class ClusterAgent:
         if det is None:
             det = self.detector = LeaderDetector(self.config)
             self.stats["takeovers"] += 1
+            log.info("cluster: %s leads job %r (nodes dark: %s)", self.node, self.job,
+                     ", ".join(sorted(dark)) or "none")  # fmt: skip
             store.set_leader(self.node)
             # A successor learns every rank from the nodes' rank records and
             # presumes each alive as it takes over (had one been lost, the
@@ -204,9 +249,32 @@ class ClusterAgent:
         det.set_dark(dark)
         return det.ingest(windows)
 
+    def cluster_view(self) -> ClusterView:
+        """This node's part, for the snapshot (and the ``cluster_*`` metrics)."""
+        return ClusterView(
+            job=self.job or "",
+            node=self.node,
+            view=self.view,
+            leader=self.leader,
+            leading=self.leader == self.node and self.view == "cluster",
+            takeovers=self.stats["takeovers"],
+            windows=self.stats["windows"],
+            failover_windows=self.stats.get("failover_windows"),
+        )
+
     @property
     def bytes_sent(self) -> int:
         return self.store.sent if self.store is not None else 0
+
+
+def _joined(a: Window, b: Window) -> Window:
+    """Two windows of one node as one (the later's seq and time)."""
+    return b._replace(
+        records=a.records + b.records,
+        digests=a.digests + b.digests,
+        progress=a.progress + b.progress,
+        heard=a.heard + b.heard,
+    )
 
 
 class AgentThread:
@@ -241,9 +309,11 @@ class AgentThread:
             out, self._out = self._out, []
         return out
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop and join: a store call in flight (a connect retried up to its
+        timeout twice) must end before the interpreter does, or torch aborts it."""
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=timeout_s)
 
 
 class ClusterPipeline:
@@ -273,7 +343,7 @@ class ClusterPipeline:
         return out + heard if heard else out
 
     def snapshot(self) -> Any:
-        return self.pipeline.snapshot()
+        return dataclasses.replace(self.pipeline.snapshot(), cluster=(self.agent.cluster_view(),))
 
     def close(self) -> None:
         self.thread.stop()

@@ -200,6 +200,22 @@ class LeaderPipeline(Pipeline):
         self._add_coll = corr.add_coll
         self.fabric = FabricTotals(corr.local_rank)
         self._handlers["progress"] = self._on_progress
+        self._handlers["step"] = self._on_node_step
+
+    def _on_node_step(self, rec: Record) -> list[Record]:
+        # A node that joins late (its daemon reached the store after the
+        # leader began) sends its backlog in one window, of steps the leader
+        # already summarised: too late to judge, but still word that the rank
+        # lives and how far it got (else it looks silent since it announced).
+        step = rec["step"]
+        if type(step) is int and step <= self.corr.summarised:
+            rs = self.lcorr.rank_of(int(rec["rank"]))
+            end = float(rec["end"])
+            if end > rs.last_t:
+                rs.last_t = end
+            if step > rs.done_step:
+                rs.done_step = step
+        return self._on_step(rec)
 
     def _on_progress(self, rec: Record) -> list[Record]:
         self.lcorr.add_progress(rec["rank"], rec["t"], rec["step"], rec["seq"])
@@ -318,3 +334,8 @@ class Liveness:
             if old is None or seq != old[0]:
                 self._seen[node] = (seq, self.tick)
         return frozenset(n for n, (_, at) in self._seen.items() if self.tick - at >= self.miss)
+
+    def windows_since(self, node: str) -> int | None:
+        """My windows since ``node``'s heartbeat last moved (None: never seen)."""
+        seen = self._seen.get(node)
+        return None if seen is None else self.tick - seen[1]

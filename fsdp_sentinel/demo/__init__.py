@@ -36,6 +36,7 @@ EPILOG = """examples:
   fsdp-sentinel demo --scenario slow-compute --out out/slow-compute
   fsdp-sentinel demo --scenario slow-link --fault-seconds 0.3  # transient: not flagged
   fsdp-sentinel demo --scenario packet-loss --remediate dry-run
+  fsdp-sentinel demo --daemons per-host       # a node daemon per host, a leader
   fsdp-sentinel demo --scenario all --strict  # every scenario; exit 3 on a miss
 
 Exit status 0 when the run worked (whatever was found), 1 when it did not;
@@ -126,6 +127,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--interval", type=_seconds, default=0.5, help="daemon poll period (default 0.5 s)"
     )
     m.add_argument("--no-probes", action="store_true", help="run the daemon without eBPF probes")
+    m.add_argument(
+        "--daemons",
+        choices=("one", "per-host"),
+        default="one",
+        help="one daemon for every lab host (default), or one per host that meet in the "
+        "job's own store and follow a leader (docs/cluster.md)",
+    )
     m.add_argument("--timeout", type=_seconds, metavar="S", help="stop a job that runs longer")
     m.add_argument("--no-report", action="store_true", help="skip the HTML report")
     m.add_argument(
@@ -196,6 +204,7 @@ def _config(args: argparse.Namespace, scenario: str, out: Path) -> Any:
         timeout=args.timeout,
         report=not args.no_report,
         live=args.live,
+        daemons=args.daemons,
     )
 
 

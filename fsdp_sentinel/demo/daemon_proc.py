@@ -55,8 +55,12 @@ class DaemonProcess:
         interval: float = 0.5,
         probes: bool = True,
         extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
+        self.socket_path = socket_path
+        self.trace_out = trace_out
+        self.env = {**os.environ, **env} if env else None
         self.url = f"http://127.0.0.1:{self.port}/api/v1/snapshot"
         self.log_path = log_path
         self.argv = [
@@ -80,6 +84,7 @@ class DaemonProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=self.env,
             )
         return self
 

@@ -62,6 +62,9 @@ class DemoConfig:
     timeout: float | None = None
     report: bool = True
     live: bool | None = None  # None: when stdout is a terminal
+    # "one": one daemon for every lab host; "per-host": a node daemon per host,
+    # meeting in the job's store (demo.nodes, docs/cluster.md)
+    daemons: str = "one"
 
     @property
     def plan(self) -> Any:
@@ -133,7 +136,8 @@ def remediate_devices(lab: Any) -> list[str]:
     return out
 
 
-def trainer_args(cfg: DemoConfig, socket_path: Path) -> list[str]:
+def trainer_args(cfg: DemoConfig, socket_path: Path | None) -> list[str]:
+    """The trainer's flags; ``socket_path`` None: each rank's socket from its environment."""
     return [
         "--steps", str(cfg.total_steps()),
         "--layers", str(cfg.layers),
@@ -142,7 +146,7 @@ def trainer_args(cfg: DemoConfig, socket_path: Path) -> list[str]:
         "--seq-len", str(cfg.seq_len),
         "--threads", "1",
         "--log-every", "0",
-        "--socket", str(socket_path),
+        *(["--socket", str(socket_path)] if socket_path is not None else []),
     ]  # fmt: skip
 
 
@@ -255,7 +259,7 @@ class _FaultDriver:
 
 def _follow(
     cfg: DemoConfig,
-    daemon: DaemonProcess,
+    daemon: Any,
     procs: list[subprocess.Popen[Any]],
     driver: _FaultDriver,
     progress: Progress,
@@ -271,6 +275,12 @@ def _follow(
     while True:
         snap = daemon.snapshot()
         if snap is not None:
+            if cfg.daemons == "per-host":
+                # A node's own view of its rank is not the leader's: leave the
+                # rank states to the summary, which reads the leader's verdicts.
+                snap = dataclasses.replace(
+                    snap, ranks=tuple(dataclasses.replace(r, state="ok") for r in snap.ranks)
+                )
             progress.update(snap)
             now_on = {(v.host, v.dev) for v in snap.remediation if v.active}
             for host, dev in sorted(now_on ^ prioritised):
@@ -309,7 +319,7 @@ def _follow(
             time.sleep(0.5)
 
 
-def _linger(daemon: DaemonProcess, seconds: float, progress: Progress) -> None:
+def _linger(daemon: Any, seconds: float, progress: Progress) -> None:
     """Keep the daemon running a little after the job, for its last polls and verdicts."""
     end = time.monotonic() + seconds
     while time.monotonic() < end and daemon.alive():
@@ -331,6 +341,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     for stale in (trace, result.truth_path, out / "report.html", out / "ingest.sock"):
         stale.unlink(missing_ok=True)
     shutil.rmtree(out / "logs", ignore_errors=True)
+    shutil.rmtree(out / "nodes", ignore_errors=True)  # node daemons' traces append
     sock = out / "ingest.sock"
     start = time.monotonic()
     procs: list[subprocess.Popen[Any]] = []
@@ -342,18 +353,34 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         lab = stack.enter_context(
             Lab(LabConfig(name=cfg.lab_name, hosts=cfg.ranks, rate_mbit=cfg.rate_mbit))
         )
-        progress.event("starting the daemon (compiling probes)")
-        daemon = stack.enter_context(
-            DaemonProcess(
-                socket_path=sock,
-                trace_out=trace,
-                log_path=out / "daemon.log",
-                remediate=cfg.remediate,
-                interval=cfg.interval,
-                probes=cfg.probes,
-                extra=remediate_devices(lab) if cfg.remediate != "off" else None,
+        daemon: Any
+        host_env: dict[str, dict[str, str]] | None = None
+        if cfg.daemons == "per-host":
+            from fsdp_sentinel.demo.nodes import NodeDaemons
+            from fsdp_sentinel.emit import SOCKET_ENV
+
+            progress.event(f"starting {cfg.ranks} node daemons (compiling probes)")
+            daemon = stack.enter_context(
+                NodeDaemons(
+                    lab, out, remediate=cfg.remediate, interval=cfg.interval, probes=cfg.probes
+                )
             )
-        )
+            host_env = {h: {SOCKET_ENV: str(daemon.socket(h))} for h in daemon.hosts}
+            # Ground truth goes to host 0's daemon: the fault records need one trace.
+            sock = daemon.socket(daemon.hosts[0])
+        else:
+            progress.event("starting the daemon (compiling probes)")
+            daemon = stack.enter_context(
+                DaemonProcess(
+                    socket_path=sock,
+                    trace_out=trace,
+                    log_path=out / "daemon.log",
+                    remediate=cfg.remediate,
+                    interval=cfg.interval,
+                    probes=cfg.probes,
+                    extra=remediate_devices(lab) if cfg.remediate != "off" else None,
+                )
+            )
         daemon.wait_ready()
         emitter = Emitter(socket_path=str(sock))
         stack.callback(emitter.close)
@@ -364,9 +391,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         progress.event(f"launching the trainer: {cfg.total_steps()} steps on {cfg.ranks} ranks")
         procs = launch_torchrun(
             lab,
-            trainer_args(cfg, sock),
+            trainer_args(cfg, sock if host_env is None else None),
             master_port=MASTER_PORT,
             log_dir=out / "logs",
+            host_env=host_env,
         )
         stack.callback(_stop_job, procs)
         progress.note("training")
@@ -387,6 +415,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             result.problems.append(f"the daemon exited with status {rc}; see {daemon.log_path}")
         if driver.fault is not None and driver.injected_at is None:
             result.problems.append(f"the job ended before the fault's onset step {driver.onset}")
+    if cfg.daemons == "per-host":
+        from fsdp_sentinel.demo.nodes import merge_node_traces
+
+        merge_node_traces(daemon.traces(), trace)
     result.elapsed = time.monotonic() - start
     _finish(cfg, result)
     return result
@@ -404,6 +436,9 @@ def _finish(cfg: DemoConfig, result: DemoResult) -> None:
         result.summary = [f"problem   {p}" for p in result.problems]
         return
     data = load([result.trace], strict=False)
+    if cfg.daemons == "per-host" and data.verdicts_replayed:
+        # The node daemons said nothing: that is the finding, not a replay's verdicts.
+        data.verdicts, data.spans, data.verdicts_replayed = [], [], False
     result.data = data
     dc = DetectConfig()
     if cfg.fault_seconds is None and cfg.plan.seconds is None:

@@ -74,25 +74,28 @@ def launch_torchrun(
     module: str = DEFAULT_MODULE,
     log_dir: str | os.PathLike[str] | None = None,
     max_restarts: int = 0,
+    host_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[subprocess.Popen[Any]]:
     """Start the job on every host; returns the torchrun agents' processes, host order.
 
     ``env`` is added to each host's environment (after the lab's own:
     ``GLOO_SOCKET_IFNAME``, ``OMP_NUM_THREADS=1`` unless given, and
-    ``FSDP_SENTINEL_HOST``). ``max_restarts``: how often each host's agent
-    starts its workers again after one fails (torchrun's ``--max-restarts``;
+    ``FSDP_SENTINEL_HOST``), then ``host_env[host name]`` to that host's alone
+    (each host's own daemon socket, say). ``max_restarts``: how often each host's
+    agent starts its workers again after one fails (torchrun's ``--max-restarts``;
     0: a failed rank ends the job). With ``log_dir`` each host's output goes to
     ``<log_dir>/<host>.log``; otherwise it is inherited.
     """
     procs = []
     try:
         for h in lab.hosts:
-            host_env = {"OMP_NUM_THREADS": "1", **(env or {}), "GLOO_SOCKET_IFNAME": h.ifname}
+            own = (host_env or {}).get(h.name, {})
+            full = {"OMP_NUM_THREADS": "1", **(env or {}), **own, "GLOO_SOCKET_IFNAME": h.ifname}
             if max_restarts:
                 # A store of the workers' own each round: on the agents' shared
                 # store the new round's ranks read the old round's gloo
                 # addresses and fail to connect (seen, torch 2.13).
-                host_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+                full.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
             argv = torchrun_argv(
                 lab, h.index, module, module_args,
                 master_port=master_port, nproc_per_host=nproc_per_host,
@@ -104,7 +107,7 @@ def launch_torchrun(
                 out = open(Path(log_dir, f"{h.name}.log"), "wb")  # noqa: SIM115 (child owns it)
                 kw = {"stdout": out, "stderr": subprocess.STDOUT}
             try:
-                procs.append(lab.popen(h, argv, env=host_env, **kw))
+                procs.append(lab.popen(h, argv, env=full, **kw))
             finally:
                 if "stdout" in kw:
                     kw["stdout"].close()
