@@ -45,6 +45,7 @@ Record = dict[str, Any]
 # The hot paths look fields up with the parser's own key objects (an identity
 # hit in each record's dict; see trace.KEY).
 _END, _RANK, _STEP, _GROUP = KEY["end"], KEY["rank"], KEY["step"], KEY["group"]
+_KIND, _HOST_PID = KEY["kind"], KEY["host_pid"]
 _T, _DT, _HOST = KEY["t"], KEY["dt"], KEY["host"]
 
 # Every field the step summary and the per-op totals read, in one lookup pass
@@ -670,6 +671,64 @@ class Correlator:
                     self._colls_done += 1
                 return end
         return self._add_first_coll(rec, end, rank)
+
+    def add_coll_run(
+        self,
+        recs: Sequence[Record],
+        i: int,
+        bounds: tuple[float, float, float],
+        now: float,
+        gate: tuple[dict[Any, Any], dict[Any, Any], object] | None = None,
+    ) -> tuple[int, float]:
+        """:meth:`add_coll` for ``recs[i]``, ``recs[i + 1]``, ... while each is
+        a ``coll`` record that takes its fast path; returns the index of the
+        first record it left alone (untouched: the caller feeds it the
+        ordinary way) and the stream clock ``now`` moved by the filed ones.
+
+        The batch form of a replay's hot loop: one call files a run of
+        records, where :meth:`Pipeline.feed` costs three calls a record. A
+        record stays on the fast path when its rank and step already have
+        collectives filed (room left under the cap) and ``bounds`` (the
+        pipeline's time horizon, step limit and next tick) say no guard or
+        tick is due: then filing it is exactly what ``feed`` would do.
+        ``gate`` (a router's records by rank, by host pid, and the job): also
+        the record must belong to that job. Anything else (a missing or
+        ill-typed field too) stops the run before any change is made.
+        """
+        horizon, step_limit, tick = bounds
+        ranks = self.ranks
+        cap = self._colls_cap
+        n = len(recs)
+        try:
+            while i < n:
+                rec = recs[i]
+                if rec.get(_KIND) != "coll":
+                    break
+                end = rec[_END]
+                step = rec[_STEP]
+                if end > horizon or step > step_limit or end >= tick:
+                    break
+                rank = rec[_RANK]
+                if gate is not None:
+                    pid = rec.get(_HOST_PID)
+                    job = gate[0].get(rank) if pid is None else gate[1].get(pid)
+                    if job is not gate[2]:
+                        break
+                rs = ranks.get(rank)
+                if rs is None:
+                    break
+                lst = rs.colls.get(step)
+                if lst is None or len(lst) >= cap:
+                    break
+                if end > rs.last_t:
+                    rs.last_t = end
+                lst.append(rec)
+                if end > now:
+                    now = float(end)
+                i += 1
+        except (KeyError, TypeError, AttributeError):
+            pass  # the ordinary path says what is wrong with it
+        return i, now
 
     def _add_first_coll(self, rec: Record, end: Any, rank: Any) -> Any:
         """:meth:`add_coll` for the first record of a (rank, step), or a late one."""
