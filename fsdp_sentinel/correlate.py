@@ -1084,10 +1084,14 @@ class Correlator:
             )
             rs.last = rstep
             out.append(rstep)
-        # Anything older than this step that is still filed arrived too late.
+        # Anything older than this step that is still filed arrived too late
+        # (``_filed`` says whether any rank holds such a step: usually none,
+        # and then no pass over every rank).
         reports = self._reports
         for old in [s for s in reports if s <= step]:
             del reports[old]
+        if not self._filed or min(self._filed) >= step:
+            return self._summary(now, step, tuple(out))
         for rs in self.ranks.values():
             if rs.steps and min(rs.steps) < step:
                 for old in [s for s in rs.steps if s < step]:
