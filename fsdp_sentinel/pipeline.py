@@ -439,12 +439,15 @@ class Pipeline:
         return self._on_clock(rec)
 
     def _on_step(self, rec: Record) -> list[Record]:
-        step = rec["step"]
+        step = rec[_STEP]
         if step <= self.corr.summarised:
             self._late += 1
             return []
         rs, step = self.corr.add_step(rec)
-        out = self._advance(float(rec["end"]))
+        t = float(rec[_END])
+        if t > self.now:
+            self.now = t
+        out = self._advance(t) if self.now >= self._next_tick else []
         # Count ranks, not records: a datagram delivered twice is one report.
         n = self.corr.reported(step)
         ready = n >= len(self.corr.ranks)

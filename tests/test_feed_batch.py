@@ -167,3 +167,26 @@ def test_a_strict_reader_gives_the_records_before_a_bad_line(tmp_path: Path) -> 
     lenient = trace.TraceReader(path, strict=False)
     assert [r for b in lenient.batches() for r in b] == good
     assert lenient.skipped == 1 and lenient.skipped_lines == [31]
+
+
+def test_wait_histogram_counts_by_bucket_as_by_value() -> None:
+    """The per-op wait histogram adds a step's waits bucket by bucket
+    (``correlate._count_into``); each wait lands where ``bisect_left`` puts it."""
+    import random
+    from bisect import bisect_left
+
+    from fsdp_sentinel import buckets, correlate
+
+    bounds = correlate._WAIT_BOUNDS
+    rnd = random.Random(7)
+    for _ in range(2000):
+        values = [
+            rnd.choice([rnd.expovariate(20.0), rnd.choice(bounds), -rnd.random(), 99.0, 0.0])
+            for _ in range(rnd.randint(0, 40))
+        ]
+        by_value = buckets.empty(bounds)
+        for x in values:
+            by_value[bisect_left(bounds, x)] += 1
+        by_bucket = buckets.empty(bounds)
+        correlate._count_into(by_bucket, values)
+        assert by_bucket == by_value
