@@ -26,7 +26,7 @@ This module does no I/O and keeps no clock: the caller says what time it is.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +45,7 @@ Record = dict[str, Any]
 # The hot paths look fields up with the parser's own key objects (an identity
 # hit in each record's dict; see trace.KEY).
 _END, _RANK, _STEP, _GROUP = KEY["end"], KEY["rank"], KEY["step"], KEY["group"]
+_KIND, _HOST_PID, _START = KEY["kind"], KEY["host_pid"], KEY["start"]
 _T, _DT, _HOST = KEY["t"], KEY["dt"], KEY["host"]
 
 # Every field the step summary and the per-op totals read, in one lookup pass
@@ -322,8 +323,7 @@ class _Rank:
             counts = hists.get(key)
             if counts is None:
                 counts = hists[key] = buckets.empty(_WAIT_BOUNDS)
-            for x in picked:
-                counts[bisect_left(_WAIT_BOUNDS, x)] += 1
+            _count_into(counts, picked)
             if key in cnt:
                 cnt[key] += n
                 nb[key] += b
@@ -332,6 +332,28 @@ class _Rank:
                 cnt[key] = n
                 nb[key] = b
                 secs[key] = w
+
+
+def _count_into(counts: list[int], values: Sequence[float]) -> None:
+    """Add ``values`` to histogram ``counts`` (bucket ``bisect_left(_WAIT_BOUNDS, x)``
+    for each ``x``, as ``buckets`` has it), by bucket instead of by value.
+
+    A step's waits fall in a few adjacent buckets: sorted (in C), each bucket
+    they span takes its count from one bisection, so a step costs a few
+    Python steps rather than one per collective (that was a seventh of
+    replay's pipeline work).
+    """
+    if not values:
+        return
+    ordered = sorted(values)
+    first = bisect_left(_WAIT_BOUNDS, ordered[0])
+    last = bisect_left(_WAIT_BOUNDS, ordered[-1])
+    below = 0  # values in the buckets before bucket k
+    for k in range(first, last):
+        upto = bisect_right(ordered, _WAIT_BOUNDS[k])  # values <= bound k: buckets <= k
+        counts[k] += upto - below
+        below = upto
+    counts[last] += len(ordered) - below
 
 
 class _OpPlan(NamedTuple):
@@ -645,10 +667,10 @@ class Correlator:
         return rs
 
     def add_step(self, rec: Record) -> tuple[_Rank, int]:
-        rs = self.rank_of(int(rec["rank"]))
-        step = int(rec["step"])
-        end = float(rec["end"])
-        float(rec["start"])  # validate now, not at summary time
+        rs = self.rank_of(int(rec[_RANK]))
+        step = int(rec[_STEP])
+        end = float(rec[_END])
+        float(rec[_START])  # validate now, not at summary time
         if step not in rs.steps:  # a datagram delivered twice is one report
             if len(rs.steps) >= self.limits.max_pending_steps:
                 old = min(rs.steps)
@@ -704,6 +726,64 @@ class Correlator:
                     self._colls_done += 1
                 return end
         return self._add_first_coll(rec, end, rank)
+
+    def add_coll_run(
+        self,
+        recs: Sequence[Record],
+        i: int,
+        bounds: tuple[float, float, float],
+        now: float,
+        gate: tuple[dict[Any, Any], dict[Any, Any], object] | None = None,
+    ) -> tuple[int, float]:
+        """:meth:`add_coll` for ``recs[i]``, ``recs[i + 1]``, ... while each is
+        a ``coll`` record that takes its fast path; returns the index of the
+        first record it left alone (untouched: the caller feeds it the
+        ordinary way) and the stream clock ``now`` moved by the filed ones.
+
+        The batch form of a replay's hot loop: one call files a run of
+        records, where :meth:`Pipeline.feed` costs three calls a record. A
+        record stays on the fast path when its rank and step already have
+        collectives filed (room left under the cap) and ``bounds`` (the
+        pipeline's time horizon, step limit and next tick) say no guard or
+        tick is due: then filing it is exactly what ``feed`` would do.
+        ``gate`` (a router's records by rank, by host pid, and the job): also
+        the record must belong to that job. Anything else (a missing or
+        ill-typed field too) stops the run before any change is made.
+        """
+        horizon, step_limit, tick = bounds
+        ranks = self.ranks
+        cap = self._colls_cap
+        n = len(recs)
+        try:
+            while i < n:
+                rec = recs[i]
+                if rec.get(_KIND) != "coll":
+                    break
+                end = rec[_END]
+                step = rec[_STEP]
+                if end > horizon or step > step_limit or end >= tick:
+                    break
+                rank = rec[_RANK]
+                if gate is not None:
+                    pid = rec.get(_HOST_PID)
+                    job = gate[0].get(rank) if pid is None else gate[1].get(pid)
+                    if job is not gate[2]:
+                        break
+                rs = ranks.get(rank)
+                if rs is None:
+                    break
+                lst = rs.colls.get(step)
+                if lst is None or len(lst) >= cap:
+                    break
+                if end > rs.last_t:
+                    rs.last_t = end
+                lst.append(rec)
+                if end > now:
+                    now = float(end)
+                i += 1
+        except (KeyError, TypeError, AttributeError):
+            pass  # the ordinary path says what is wrong with it
+        return i, now
 
     def _add_first_coll(self, rec: Record, end: Any, rank: Any) -> Any:
         """:meth:`add_coll` for the first record of a (rank, step), or a late one."""
@@ -1059,10 +1139,14 @@ class Correlator:
             )
             rs.last = rstep
             out.append(rstep)
-        # Anything older than this step that is still filed arrived too late.
+        # Anything older than this step that is still filed arrived too late
+        # (``_filed`` says whether any rank holds such a step: usually none,
+        # and then no pass over every rank).
         reports = self._reports
         for old in [s for s in reports if s <= step]:
             del reports[old]
+        if not self._filed or min(self._filed) >= step:
+            return self._summary(now, step, tuple(out))
         for rs in self.ranks.values():
             if rs.steps and min(rs.steps) < step:
                 for old in [s for s in rs.steps if s < step]:

@@ -176,21 +176,24 @@ class JobRouter:
         """Route one record; return the verdict records it caused (usually none)."""
         self.records += 1
         pid = rec.get(_HOST_PID)
-        if pid is not None:
-            # The hot path (every record from the ingest socket but rank ones).
-            job = self._by_pid.get(pid)
-            if job is not None and rec.get(_KIND) != "rank":
-                out = job.feed(rec)
-                job.heard_t = self.now
-                return self._stamp(job, out) if out else _NOTHING
-        elif rec.get(_KIND) in _RANK_KEYED:
-            # The hot path of a trace from before host_pid (every captured
-            # trace): the job that announced the rank, as ``_route`` would find.
-            job = self._by_rank.get(rec.get(_RANK))
-            if job is not None:
-                out = job.feed(rec)
-                job.heard_t = self.now
-                return self._stamp(job, out) if out else _NOTHING
+        try:
+            if pid is not None:
+                # The hot path (every record from the ingest socket but rank ones).
+                job = self._by_pid.get(pid)
+                if job is not None and rec.get(_KIND) != "rank":
+                    out = job.feed(rec)
+                    job.heard_t = self.now
+                    return self._stamp(job, out) if out else _NOTHING
+            elif rec.get(_KIND) in _RANK_KEYED:
+                # The hot path of a trace from before host_pid (every captured
+                # trace): the job that announced the rank, as ``_route`` would find.
+                job = self._by_rank.get(rec.get(_RANK))
+                if job is not None:
+                    out = job.feed(rec)
+                    job.heard_t = self.now
+                    return self._stamp(job, out) if out else _NOTHING
+        except TypeError:  # an unhashable pid or rank: routed as if it had none
+            pid = _hashable(pid)
         return self._route(rec, pid)
 
     def _route(self, rec: Record, pid: Any) -> Sequence[Record]:
@@ -198,10 +201,10 @@ class JobRouter:
         if kind == "rank":
             return self._on_rank(rec)
         if pid is None and kind in PID_KINDS:
-            pid = rec.get(_PID)
+            pid = _hashable(rec.get(_PID))
         job = self._by_pid.get(pid) if pid is not None else None
         if job is None:
-            rank = rec.get(_RANK)
+            rank = _hashable(rec.get(_RANK))
             if pid is not None and pid in self._stale:
                 job = self._back(pid)
                 if job is None:
@@ -227,7 +230,38 @@ class JobRouter:
         return old
 
     def feed_many(self, recs: Iterable[Record]) -> list[Record]:
+        if type(recs) is list:
+            return self.feed_batch(recs)
         return feed_all(self.feed, recs)
+
+    def feed_batch(self, recs: Sequence[Record]) -> list[Record]:
+        """``feed`` each of ``recs`` in order; the verdict records they caused.
+
+        While one job is live (a trace of one job), the runs of its ``coll``
+        records that need nothing but filing go straight to its pipeline
+        (:meth:`Pipeline.file_run`, gated on the very lookups ``feed`` routes
+        by); every other record is routed by ``feed``. The same verdicts.
+        """
+        out: list[Record] = []
+        n = len(recs)
+        i = 0
+        jobs = self.jobs
+        feed = self.feed
+        while i < n:
+            if len(jobs) == 1:
+                for job in jobs.values():
+                    j = job.pipeline.file_run(recs, i, (self._by_rank, self._by_pid, job))
+                    if j > i:
+                        self.records += j - i
+                        job.heard_t = self.now
+                        i = j
+                if i == n:
+                    break
+            v = feed(recs[i])
+            if v:
+                out.extend(v)
+            i += 1
+        return out
 
     def end(self) -> list[Record]:
         """The input ended: every live job's pipeline releases what its stream
@@ -450,6 +484,16 @@ class JobRouter:
                 for j, s in snaps
             ),
         )
+
+
+def _hashable(key: Any) -> Any:
+    """``key``, or None when it cannot be looked up (an ill-typed field: the
+    pipeline it reaches counts the record as malformed)."""
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _order(job: Job) -> tuple[float, str]:
