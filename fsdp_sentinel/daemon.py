@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fsdp_sentinel.ingest import DEFAULT_SOCKET, IngestServer
+from fsdp_sentinel.ingest import DEFAULT_SOCKET, QUEUE_BYTES, QUEUE_FULL, IngestServer
 from fsdp_sentinel.snapshot import Snapshot
 from fsdp_sentinel.trace import TIME_FIELD, TraceWriter
 
@@ -155,8 +155,12 @@ class DaemonConfig:
     #: (host, port) for /metrics and /api/v1/snapshot; None disables; port 0 picks one.
     metrics_addr: tuple[str, int] | None = ("127.0.0.1", 18965)
     interval: float = 1.0
-    #: Records waiting for the pipeline beyond this are refused (and counted).
+    #: Records waiting for the pipeline beyond this are refused (counted ``queue_full``).
     queue_max: int = 200_000
+    #: Datagram bytes waiting for the pipeline beyond this are refused (counted
+    #: ``queue_bytes``): a count cap alone lets 200,000 datagrams of 64 KiB
+    #: hold 12 GiB. A parsed record takes a few times its datagram's bytes.
+    queue_max_bytes: int = 32 * 1024 * 1024
     #: How often registered pids are checked for having exited.
     pid_check_interval: float = 5.0
     #: Take a rank record's pid as sent (``--trust-record-pid``: a relay, a
@@ -165,6 +169,7 @@ class DaemonConfig:
 
 
 _WAKE: Record = {"kind": "_wake"}  # a queue item that only wakes the loop
+_WAKE_ITEM: tuple[Record, int] = (_WAKE, 0)
 
 
 class Daemon:
@@ -197,7 +202,12 @@ class Daemon:
         self._observe: Callable[[Record], None] | None = getattr(remediator, "observe", None)
         self._clock = clock
         self._proc = Path(proc_root)
-        self._queue: queue.SimpleQueue[Record] = queue.SimpleQueue()
+        # Items are (record, datagram bytes). The bytes waiting are
+        # _bytes_in - _bytes_out: each counter has one writer (the ingest
+        # thread, the pipeline thread), so neither needs a lock.
+        self._queue: queue.SimpleQueue[tuple[Record, int]] = queue.SimpleQueue()
+        self._bytes_in = 0
+        self._bytes_out = 0
         self._stopping = False
         self._snapshot = Snapshot()
         self.pids: set[int] = set()
@@ -238,7 +248,7 @@ class Daemon:
             else:
                 log.warning("running without probes (--no-probes): no flow figures")
             self.ingest = IngestServer(
-                cfg.socket_path, self._enqueue, trust_pid=cfg.trust_record_pid
+                cfg.socket_path, self._enqueue, trust_pid=cfg.trust_record_pid, sized=True
             ).start()
             log.info(
                 "listening on %s (receive buffer %d KiB)",
@@ -257,17 +267,27 @@ class Daemon:
             self.close()
             raise
 
-    def _enqueue(self, rec: Record) -> bool:
-        # Runs on the ingest thread: a bounded hand-off, nothing more.
+    def _enqueue(self, rec: Record, nbytes: int = 0) -> bool | str:
+        """Runs on the ingest thread: a bounded hand-off, nothing more. Over
+        either cap the record is refused under its reason (the ingest server
+        counts it); the sender never waits: its datagram was already taken."""
         if self._queue.qsize() >= self.config.queue_max:
-            return False
-        self._queue.put(rec)
+            return QUEUE_FULL
+        if self._bytes_in - self._bytes_out + nbytes > self.config.queue_max_bytes:
+            return QUEUE_BYTES
+        self._bytes_in += nbytes
+        self._queue.put((rec, nbytes))
         return True
+
+    @property
+    def queued_bytes(self) -> int:
+        """Datagram bytes waiting for the pipeline now."""
+        return self._bytes_in - self._bytes_out
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to return; safe from a signal handler or another thread."""
         self._stopping = True
-        self._queue.put(_WAKE)  # SimpleQueue.put is reentrant
+        self._queue.put(_WAKE_ITEM)  # SimpleQueue.put is reentrant
 
     def run(self) -> None:
         """The pipeline loop, until :meth:`request_stop`; then drains and polls once more.
@@ -302,9 +322,10 @@ class Daemon:
                     next_pid_check = now + self.config.pid_check_interval
                 continue
             try:
-                rec = get(timeout=next_poll - now)
+                rec, nbytes = get(timeout=next_poll - now)
             except queue.Empty:
                 continue
+            self._bytes_out += nbytes
             if rec is not _WAKE:
                 self._handle(rec)
         self._drain()
@@ -313,9 +334,10 @@ class Daemon:
     def _drain(self) -> None:
         while True:
             try:
-                rec = self._queue.get_nowait()
+                rec, nbytes = self._queue.get_nowait()
             except queue.Empty:
                 return
+            self._bytes_out += nbytes
             if rec is not _WAKE:
                 self._handle(rec)
 
