@@ -149,9 +149,7 @@ def _add(a: Any, b: Any) -> Any:
 def _optional_fields(cls: type) -> tuple[tuple[str, bool], ...]:
     found = _FIELDS.get(cls)
     if found is None:
-        found = _FIELDS[cls] = tuple(
-            (f.name, f.default is None) for f in dataclasses.fields(cls)
-        )
+        found = _FIELDS[cls] = tuple((f.name, f.default is None) for f in dataclasses.fields(cls))
     return found
 
 

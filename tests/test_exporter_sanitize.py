@@ -166,7 +166,13 @@ def test_a_clean_snapshot_is_returned_as_it_is() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "want"),
-    [("ok", "ok"), ("\ud800", "\ufffd"), ("a\nb", "a\ufffdb"), ("é✓", "é✓"), ("x" * 200, "x" * 128)],
+    [
+        ("ok", "ok"),
+        ("\ud800", "\ufffd"),
+        ("a\nb", "a\ufffdb"),
+        ("é✓", "é✓"),
+        ("x" * 200, "x" * 128),
+    ],
 )
 def test_label(raw: str, want: str) -> None:
     assert label(raw) == want
