@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from fsdp_sentinel.ingest import DEFAULT_SOCKET, QUEUE_BYTES, QUEUE_FULL, IngestServer
 from fsdp_sentinel.snapshot import Snapshot
 from fsdp_sentinel.trace import TIME_FIELD, TraceWriter
+from fsdp_sentinel.trace_segments import SegmentedTraceWriter
 
 log = logging.getLogger("fsdp_sentinel.daemon")
 
@@ -151,6 +152,10 @@ def default_pipeline(config_path: str | None) -> PipelineLike:
 class DaemonConfig:
     socket_path: str = DEFAULT_SOCKET
     trace_out: str | None = None
+    #: Rotate ``trace_out`` at this many bytes (``trace_segments``); None: one file.
+    trace_max_bytes: int | None = None
+    #: Closed segments kept when rotating (None: all).
+    trace_keep: int | None = None
     verdicts_out: str | None = None
     #: (host, port) for /metrics and /api/v1/snapshot; None disables; port 0 picks one.
     metrics_addr: tuple[str, int] | None = ("127.0.0.1", 18965)
@@ -217,7 +222,7 @@ class Daemon:
         self.ingest: IngestServer | None = None
         self.http: Any = None
         self._bpf_stats: Any = None  # probes.bpfstats.RunStats while probes run
-        self._trace: TraceWriter | None = None
+        self._trace: TraceWriter | SegmentedTraceWriter | None = None
         self._verdicts: TraceWriter | None = None
         self._failed: set[int] = set()  # writers whose failure was logged
         self._synced: dict[int, int] = {}  # id(writer) -> records at its last sync
@@ -231,7 +236,11 @@ class Daemon:
         everything opened so far is closed again and the error re-raised."""
         try:
             cfg = self.config
-            if cfg.trace_out:
+            if cfg.trace_out and cfg.trace_max_bytes:
+                self._trace = SegmentedTraceWriter(
+                    cfg.trace_out, cfg.trace_max_bytes, cfg.trace_keep
+                )
+            elif cfg.trace_out:
                 self._trace = TraceWriter(cfg.trace_out)
             if cfg.verdicts_out:
                 self._verdicts = TraceWriter(cfg.verdicts_out)
@@ -585,6 +594,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"ingest socket the ranks send to (default {DEFAULT_SOCKET})",
     )
     parser.add_argument("--trace-out", metavar="FILE", help="write every record here (.zst ok)")
+    parser.add_argument(
+        "--trace-max-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="rotate --trace-out at this size (e.g. 512M, 2G): the full file becomes "
+        "FILE's stem.NNNNNN.suffixes, each segment a whole trace (default: no cap)",
+    )
+    parser.add_argument(
+        "--trace-keep",
+        type=_count,
+        metavar="N",
+        help="with --trace-max-bytes: keep only the newest N closed segments (default: all)",
+    )
     parser.add_argument("--verdicts-out", metavar="FILE", help="write verdict records here")
     parser.add_argument(
         "--metrics-addr",
@@ -658,6 +680,33 @@ def _metrics_addr(text: str) -> tuple[str, int] | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """``1048576``, ``512K``, ``64M``, ``2G`` -> bytes (at least 64 KiB: a
+    segment holds whole frames)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
+    try:
+        value = int(float(t[: len(t) - len(unit)]) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M)") from None
+    if value < 64 * 1024:
+        raise argparse.ArgumentTypeError(f"at least 64K: {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
 def _device_spec(text: str) -> str:
     from fsdp_sentinel.remediate.config import parse_device
 
@@ -695,6 +744,12 @@ def main(args: argparse.Namespace) -> int:
     from fsdp_sentinel.hostinfo import host_name
 
     host = host_name()
+    if args.trace_keep is not None and not (args.trace_out and args.trace_max_bytes):
+        print("usage: fsdp-sentinel run ... --trace-out FILE --trace-max-bytes SIZE "
+              "--trace-keep N", file=sys.stderr)  # fmt: skip
+        print("fsdp-sentinel run: error: --trace-keep needs --trace-out and --trace-max-bytes",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         pipeline = default_pipeline(args.config)
     except (OSError, ValueError, TypeError) as e:
@@ -710,6 +765,8 @@ def main(args: argparse.Namespace) -> int:
     config = DaemonConfig(
         socket_path=args.socket,
         trace_out=args.trace_out,
+        trace_max_bytes=args.trace_max_bytes,
+        trace_keep=args.trace_keep,
         verdicts_out=args.verdicts_out,
         metrics_addr=args.metrics_addr,
         interval=args.interval,
