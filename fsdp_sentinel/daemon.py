@@ -690,7 +690,7 @@ def _size(text: str) -> int:
     unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
     try:
         value = int(float(t[: len(t) - len(unit)]) * _SIZE_UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # "x", "inf", "nan"
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M)") from None
     if value < 64 * 1024:
         raise argparse.ArgumentTypeError(f"at least 64K: {text!r}")

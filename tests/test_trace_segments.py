@@ -46,7 +46,7 @@ def test_each_segment_reads_alone_and_the_set_replays_as_one(tmp_path: Path, suf
     assert len(closed) >= 2 and w.rotations == len(closed)
     assert closed[0] == segment_path(path, 1) and closed[0].name == f"run.000001{suffix}"
     parts = [*closed, path]
-    got = []
+    got: list[dict] = []
     for part in parts:
         one = list(read_trace(part, strict=True))  # each a whole trace, header first
         assert one[0]["kind"] == "header"
@@ -115,6 +115,7 @@ def test_a_failed_rotation_switches_the_trace_off_and_never_raises(tmp_path: Pat
         ["--trace-keep", "3"],
         ["--trace-out", "x.jsonl", "--trace-max-bytes", "12"],
         ["--trace-out", "x.jsonl", "--trace-max-bytes", "lots"],
+        ["--trace-out", "x.jsonl", "--trace-max-bytes", "inf"],
         ["--trace-out", "x.jsonl", "--trace-max-bytes", "1M", "--trace-keep", "0"],
     ],
 )
