@@ -358,6 +358,7 @@ class Daemon:
         if self.ingest is not None:
             self.ingest.close()
             self._drain()  # what arrived before the socket closed
+        self._end_stream()
         for action in self._safely("remediator close", self.remediator.close) or []:
             self._write_action(action)
         if self.probes is not None:
@@ -375,6 +376,16 @@ class Daemon:
         if self._started:
             self._started = False
             self._log_summary()
+
+    def _end_stream(self) -> None:
+        """The input ended: what the stream guard still holds aside is fed as
+        it is (``JobRouter.end()``), as replay does at the end of its input, so
+        the verdicts it gives are the same live and in replay, and in the trace."""
+        end = getattr(self.pipeline, "end", None)
+        if end is None or not self._started:
+            return
+        for verdict in self._safely("pipeline end", end) or []:
+            self._handle_verdict(verdict)
 
     def _safely(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -728,6 +739,32 @@ def _interval(text: str) -> float:
     return value
 
 
+#: Capability numbers (linux/capability.h) remediation needs, by name.
+_REMEDIATION_CAPS = {"CAP_BPF": 39, "CAP_NET_ADMIN": 12}
+_CAP_SYS_ADMIN = 21
+
+
+def _missing_capabilities(mode: str, status_path: str = "/proc/self/status") -> list[str]:
+    """Capabilities ``--remediate MODE`` needs and this process lacks (its
+    effective set; CAP_SYS_ADMIN stands in for CAP_BPF on older kernels). Checked
+    before anything is compiled, so the message names the capability, not bcc's error."""
+    if mode != "apply":
+        return []
+    try:
+        text = Path(status_path).read_text()
+    except OSError:
+        return []
+    caps = next(
+        (int(ln.split()[1], 16) for ln in text.splitlines() if ln.startswith("CapEff:")), None
+    )
+    if caps is None:
+        return []
+    have = {name for name, bit in _REMEDIATION_CAPS.items() if caps >> bit & 1}
+    if caps >> _CAP_SYS_ADMIN & 1:
+        have.add("CAP_BPF")
+    return [name for name in _REMEDIATION_CAPS if name not in have]
+
+
 def _install_signals(daemon: Daemon) -> Iterable[tuple[int, Any]]:
     def handler(signum: int, frame: object) -> None:
         log.info("%s: stopping", signal.Signals(signum).name)
@@ -755,6 +792,12 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(f"fsdp-sentinel run: error: --config {args.config}: {e}", file=sys.stderr)
         return 2
+    missing = _missing_capabilities(args.remediate)
+    if missing:
+        log.error("--remediate %s needs %s (to load its tc classifier and change qdiscs); "
+                  "grant %s or run with --remediate off (docs/deploy.md)", args.remediate,
+                  " and ".join(missing), ", ".join(missing))  # fmt: skip
+        return 1
     try:
         remediator = make_remediator(
             args.remediate, host, devices=args.remediate_dev, rate_mbit=args.remediate_rate_mbit
