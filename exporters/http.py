@@ -34,6 +34,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gz
 from prometheus_client.registry import CollectorRegistry
 
 from fsdp_sentinel.exporters.encode import fast_encoder
+from fsdp_sentinel.exporters.sanitize import sanitize
 from fsdp_sentinel.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -141,13 +142,14 @@ def make_app(
             if path == METRICS_PATH:
                 return metrics(environ, start_response)  # type: ignore[no-any-return]
             if path == HEALTH_PATH:
-                snap = snapshot_fn()
+                snap = sanitize(snapshot_fn())
                 restarts = dict(snap.thread_restarts_total)
                 health = {"status": "ok", "t": snap.t, "thread_restarts": restarts}
                 body = json.dumps(health, allow_nan=False).encode()
                 return _reply(start_response, "200 OK", "application/json", body)
             if path == SNAPSHOT_PATH:
-                body = json.dumps(snapshot_fn().to_json(), allow_nan=False).encode()
+                # Sanitised like /metrics: inf or a lone surrogate is no 500.
+                body = json.dumps(sanitize(snapshot_fn()).to_json(), allow_nan=False).encode()
                 return _reply(start_response, "200 OK", "application/json", body)
             if path == "/":
                 links = f'<a href="{METRICS_PATH}">{METRICS_PATH}</a> <a href="{SNAPSHOT_PATH}">{SNAPSHOT_PATH}</a>'

@@ -30,6 +30,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from fsdp_sentinel import __version__, buckets
+from fsdp_sentinel.exporters.sanitize import sanitize
 from fsdp_sentinel.snapshot import RankView, Snapshot
 
 PREFIX = "fsdp_sentinel_"
@@ -127,7 +128,11 @@ def _rank_labels(r: RankView) -> list[str]:
 
 
 def families(snap: Snapshot) -> Iterator[Metric]:
-    """The metric families for one snapshot (pure; used by the collector)."""
+    """The metric families for one snapshot (pure; used by the collector).
+
+    The snapshot is sanitised first (``sanitize.py``): no value that reached
+    the pipeline can make a scrape fail, or the series grow without bound."""
+    snap = sanitize(snap)
     # Keyed by (job, rank): a node daemon judges several jobs, each with its rank 0.
     ranks = sorted(snap.ranks, key=lambda r: (r.job, r.rank))
     labels = {(r.job, r.rank): _rank_labels(r) for r in ranks}

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fsdp_sentinel.ingest import DEFAULT_SOCKET, IngestServer
+from fsdp_sentinel.ingest import DEFAULT_SOCKET, QUEUE_BYTES, QUEUE_FULL, IngestServer
 from fsdp_sentinel.snapshot import Snapshot
 from fsdp_sentinel.trace import TIME_FIELD, TraceWriter
+from fsdp_sentinel.trace_segments import SegmentedTraceWriter
 
 log = logging.getLogger("fsdp_sentinel.daemon")
 
@@ -155,12 +156,20 @@ def default_pipeline(config_path: str | None) -> PipelineLike:
 class DaemonConfig:
     socket_path: str = DEFAULT_SOCKET
     trace_out: str | None = None
+    #: Rotate ``trace_out`` at this many bytes (``trace_segments``); None: one file.
+    trace_max_bytes: int | None = None
+    #: Closed segments kept when rotating (None: all).
+    trace_keep: int | None = None
     verdicts_out: str | None = None
     #: (host, port) for /metrics and /api/v1/snapshot; None disables; port 0 picks one.
     metrics_addr: tuple[str, int] | None = ("127.0.0.1", 18965)
     interval: float = 1.0
-    #: Records waiting for the pipeline beyond this are refused (and counted).
+    #: Records waiting for the pipeline beyond this are refused (counted ``queue_full``).
     queue_max: int = 200_000
+    #: Datagram bytes waiting for the pipeline beyond this are refused (counted
+    #: ``queue_bytes``): a count cap alone lets 200,000 datagrams of 64 KiB
+    #: hold 12 GiB. A parsed record takes a few times its datagram's bytes.
+    queue_max_bytes: int = 32 * 1024 * 1024
     #: How often registered pids are checked for having exited.
     pid_check_interval: float = 5.0
     #: Take a rank record's pid as sent (``--trust-record-pid``: a relay, a
@@ -169,6 +178,7 @@ class DaemonConfig:
 
 
 _WAKE: Record = {"kind": "_wake"}  # a queue item that only wakes the loop
+_WAKE_ITEM: tuple[Record, int] = (_WAKE, 0)
 
 
 class Daemon:
@@ -201,7 +211,12 @@ class Daemon:
         self._observe: Callable[[Record], None] | None = getattr(remediator, "observe", None)
         self._clock = clock
         self._proc = Path(proc_root)
-        self._queue: queue.SimpleQueue[Record] = queue.SimpleQueue()
+        # Items are (record, datagram bytes). The bytes waiting are
+        # _bytes_in - _bytes_out: each counter has one writer (the ingest
+        # thread, the pipeline thread), so neither needs a lock.
+        self._queue: queue.SimpleQueue[tuple[Record, int]] = queue.SimpleQueue()
+        self._bytes_in = 0
+        self._bytes_out = 0
         self._stopping = False
         self._snapshot = Snapshot()
         self.pids: set[int] = set()
@@ -211,7 +226,7 @@ class Daemon:
         self.ingest: IngestServer | None = None
         self.http: Any = None
         self._bpf_stats: Any = None  # probes.bpfstats.RunStats while probes run
-        self._trace: TraceWriter | None = None
+        self._trace: TraceWriter | SegmentedTraceWriter | None = None
         self._verdicts: TraceWriter | None = None
         self._failed: set[int] = set()  # writers whose failure was logged
         self._synced: dict[int, int] = {}  # id(writer) -> records at its last sync
@@ -225,7 +240,11 @@ class Daemon:
         everything opened so far is closed again and the error re-raised."""
         try:
             cfg = self.config
-            if cfg.trace_out:
+            if cfg.trace_out and cfg.trace_max_bytes:
+                self._trace = SegmentedTraceWriter(
+                    cfg.trace_out, cfg.trace_max_bytes, cfg.trace_keep
+                )
+            elif cfg.trace_out:
                 self._trace = TraceWriter(cfg.trace_out)
             if cfg.verdicts_out:
                 self._verdicts = TraceWriter(cfg.verdicts_out)
@@ -242,7 +261,7 @@ class Daemon:
             else:
                 log.warning("running without probes (--no-probes): no flow figures")
             self.ingest = IngestServer(
-                cfg.socket_path, self._enqueue, trust_pid=cfg.trust_record_pid
+                cfg.socket_path, self._enqueue, trust_pid=cfg.trust_record_pid, sized=True
             ).start()
             log.info(
                 "listening on %s (receive buffer %d KiB)",
@@ -261,17 +280,27 @@ class Daemon:
             self.close()
             raise
 
-    def _enqueue(self, rec: Record) -> bool:
-        # Runs on the ingest thread: a bounded hand-off, nothing more.
+    def _enqueue(self, rec: Record, nbytes: int = 0) -> bool | str:
+        """Runs on the ingest thread: a bounded hand-off, nothing more. Over
+        either cap the record is refused under its reason (the ingest server
+        counts it); the sender never waits: its datagram was already taken."""
         if self._queue.qsize() >= self.config.queue_max:
-            return False
-        self._queue.put(rec)
+            return QUEUE_FULL
+        if self._bytes_in - self._bytes_out + nbytes > self.config.queue_max_bytes:
+            return QUEUE_BYTES
+        self._bytes_in += nbytes
+        self._queue.put((rec, nbytes))
         return True
+
+    @property
+    def queued_bytes(self) -> int:
+        """Datagram bytes waiting for the pipeline now."""
+        return self._bytes_in - self._bytes_out
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to return; safe from a signal handler or another thread."""
         self._stopping = True
-        self._queue.put(_WAKE)  # SimpleQueue.put is reentrant
+        self._queue.put(_WAKE_ITEM)  # SimpleQueue.put is reentrant
 
     def run(self) -> None:
         """The pipeline loop, until :meth:`request_stop`; then drains and polls once more.
@@ -306,9 +335,10 @@ class Daemon:
                     next_pid_check = now + self.config.pid_check_interval
                 continue
             try:
-                rec = get(timeout=next_poll - now)
+                rec, nbytes = get(timeout=next_poll - now)
             except queue.Empty:
                 continue
+            self._bytes_out += nbytes
             if rec is not _WAKE:
                 self._handle(rec)
         self._drain()
@@ -317,9 +347,10 @@ class Daemon:
     def _drain(self) -> None:
         while True:
             try:
-                rec = self._queue.get_nowait()
+                rec, nbytes = self._queue.get_nowait()
             except queue.Empty:
                 return
+            self._bytes_out += nbytes
             if rec is not _WAKE:
                 self._handle(rec)
 
@@ -331,6 +362,7 @@ class Daemon:
         if self.ingest is not None:
             self.ingest.close()
             self._drain()  # what arrived before the socket closed
+        self._end_stream()
         for action in self._safely("remediator close", self.remediator.close) or []:
             self._write_action(action)
         if self.probes is not None:
@@ -348,6 +380,16 @@ class Daemon:
         if self._started:
             self._started = False
             self._log_summary()
+
+    def _end_stream(self) -> None:
+        """The input ended: what the stream guard still holds aside is fed as
+        it is (``JobRouter.end()``), as replay does at the end of its input, so
+        the verdicts it gives are the same live and in replay, and in the trace."""
+        end = getattr(self.pipeline, "end", None)
+        if end is None or not self._started:
+            return
+        for verdict in self._safely("pipeline end", end) or []:
+            self._handle_verdict(verdict)
 
     def _safely(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -567,6 +609,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"ingest socket the ranks send to (default {DEFAULT_SOCKET})",
     )
     parser.add_argument("--trace-out", metavar="FILE", help="write every record here (.zst ok)")
+    parser.add_argument(
+        "--trace-max-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="rotate --trace-out at this size (e.g. 512M, 2G): the full file becomes "
+        "FILE's stem.NNNNNN.suffixes, each segment a whole trace (default: no cap)",
+    )
+    parser.add_argument(
+        "--trace-keep",
+        type=_count,
+        metavar="N",
+        help="with --trace-max-bytes: keep only the newest N closed segments (default: all)",
+    )
     parser.add_argument("--verdicts-out", metavar="FILE", help="write verdict records here")
     parser.add_argument(
         "--metrics-addr",
@@ -655,6 +710,33 @@ def _netns_name(text: str) -> str:
     return text
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """``1048576``, ``512K``, ``64M``, ``2G`` -> bytes (at least 64 KiB: a
+    segment holds whole frames)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
+    try:
+        value = int(float(t[: len(t) - len(unit)]) * _SIZE_UNITS[unit])
+    except (ValueError, OverflowError):  # "x", "inf", "nan"
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M)") from None
+    if value < 64 * 1024:
+        raise argparse.ArgumentTypeError(f"at least 64K: {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
 def _device_spec(text: str) -> str:
     from fsdp_sentinel.remediate.config import parse_device
 
@@ -676,6 +758,32 @@ def _interval(text: str) -> float:
     return value
 
 
+#: Capability numbers (linux/capability.h) remediation needs, by name.
+_REMEDIATION_CAPS = {"CAP_BPF": 39, "CAP_NET_ADMIN": 12}
+_CAP_SYS_ADMIN = 21
+
+
+def _missing_capabilities(mode: str, status_path: str = "/proc/self/status") -> list[str]:
+    """Capabilities ``--remediate MODE`` needs and this process lacks (its
+    effective set; CAP_SYS_ADMIN stands in for CAP_BPF on older kernels). Checked
+    before anything is compiled, so the message names the capability, not bcc's error."""
+    if mode != "apply":
+        return []
+    try:
+        text = Path(status_path).read_text()
+    except OSError:
+        return []
+    caps = next(
+        (int(ln.split()[1], 16) for ln in text.splitlines() if ln.startswith("CapEff:")), None
+    )
+    if caps is None:
+        return []
+    have = {name for name, bit in _REMEDIATION_CAPS.items() if caps >> bit & 1}
+    if caps >> _CAP_SYS_ADMIN & 1:
+        have.add("CAP_BPF")
+    return [name for name in _REMEDIATION_CAPS if name not in have]
+
+
 def _install_signals(daemon: Daemon) -> Iterable[tuple[int, Any]]:
     def handler(signum: int, frame: object) -> None:
         log.info("%s: stopping", signal.Signals(signum).name)
@@ -692,11 +800,23 @@ def main(args: argparse.Namespace) -> int:
     from fsdp_sentinel.hostinfo import host_name
 
     host = host_name()
+    if args.trace_keep is not None and not (args.trace_out and args.trace_max_bytes):
+        print("usage: fsdp-sentinel run ... --trace-out FILE --trace-max-bytes SIZE "
+              "--trace-keep N", file=sys.stderr)  # fmt: skip
+        print("fsdp-sentinel run: error: --trace-keep needs --trace-out and --trace-max-bytes",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         pipeline = default_pipeline(args.config)
     except (OSError, ValueError, TypeError) as e:
         print(f"fsdp-sentinel run: error: --config {args.config}: {e}", file=sys.stderr)
         return 2
+    missing = _missing_capabilities(args.remediate)
+    if missing:
+        log.error("--remediate %s needs %s (to load its tc classifier and change qdiscs); "
+                  "grant %s or run with --remediate off (docs/deploy.md)", args.remediate,
+                  " and ".join(missing), ", ".join(missing))  # fmt: skip
+        return 1
     try:
         remediator = make_remediator(
             args.remediate, host, devices=args.remediate_dev, rate_mbit=args.remediate_rate_mbit
@@ -707,6 +827,8 @@ def main(args: argparse.Namespace) -> int:
     config = DaemonConfig(
         socket_path=args.socket,
         trace_out=args.trace_out,
+        trace_max_bytes=args.trace_max_bytes,
+        trace_keep=args.trace_keep,
         verdicts_out=args.verdicts_out,
         metrics_addr=args.metrics_addr,
         interval=args.interval,

@@ -77,12 +77,16 @@ MISSING_FIELD = "missing_field"
 BAD_VALUE = "bad_value"  # a field of the wrong type or out of range (trace.bad_field)
 TOO_LARGE = "too_large"
 RESERVED = "reserved_kind"
-REFUSED = "refused"  # on_record returned False (e.g. the daemon's queue is full)
+REFUSED = "refused"  # on_record returned False (refused downstream for no named reason)
 NOT_SENDER = "pid_not_sender"  # a rank record announcing a pid that is not the sender's
+QUEUE_FULL = "queue_full"  # the daemon's queue holds its cap of records
+QUEUE_BYTES = "queue_bytes"  # the daemon's queue holds its cap of datagram bytes
 
 #: Reasons that mean the datagram itself was malformed (vs. refused downstream).
 MALFORMED_REASONS = frozenset({BAD_JSON, NOT_OBJECT, NO_KIND, MISSING_FIELD, BAD_VALUE, TOO_LARGE})
-ALL_REASONS = (*sorted(MALFORMED_REASONS), RESERVED, REFUSED, NOT_SENDER)
+#: Reasons ``on_record`` may give for refusing a record (returned as the string).
+REFUSAL_REASONS = (REFUSED, QUEUE_FULL, QUEUE_BYTES)
+ALL_REASONS = (*sorted(MALFORMED_REASONS), RESERVED, *REFUSAL_REASONS, NOT_SENDER)
 
 #: ``struct ucred`` (pid, uid, gid) of an ``SCM_CREDENTIALS`` message.
 _UCRED = struct.Struct("=iII")
@@ -211,7 +215,10 @@ class IngestServer:
 
     ``on_record(rec)`` is called on the receive thread for every valid record,
     in arrival order; it must be quick (the daemon puts the record on a queue).
-    Returning ``False`` refuses the record (counted as ``refused``).
+    Returning ``False`` refuses the record (counted as ``refused``), returning
+    one of :data:`REFUSAL_REASONS` refuses it under that reason. With
+    ``sized=True`` it is called as ``on_record(rec, nbytes)``, ``nbytes`` the
+    datagram's length (what the daemon's byte cap counts).
 
     Counters (read from any thread; single writer): ``received`` datagrams,
     ``accepted`` records, ``dropped`` by reason (every reason, zeros too),
@@ -223,7 +230,7 @@ class IngestServer:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        on_record: Callable[[dict[str, Any]], bool | None],
+        on_record: Callable[..., bool | str | None],
         *,
         rcvbuf: int = DEFAULT_RCVBUF,
         backlog: int = DEFAULT_BACKLOG,
@@ -231,9 +238,11 @@ class IngestServer:
         qlen_sysctl: str = QLEN_SYSCTL,
         proc_root: str = "/proc",
         trust_pid: bool = False,
+        sized: bool = False,
     ) -> None:
         self.path = Path(path)
         self._on_record = on_record
+        self._sized = sized
         self._proc_root = proc_root
         # A relay or a recorded stream replayed into the socket sends for ranks
         # it is not: then records are taken as sent (no check, no host_pid).
@@ -336,14 +345,21 @@ class IngestServer:
                 if not self._trust_pid and not self._credit(rec, sender_pid(anc)):
                     continue
                 self._inflight = True
-                if self._on_record(rec) is False:
+                verdict = self._on_record(rec, n) if self._sized else self._on_record(rec)
+                if verdict is False or type(verdict) is str:
                     self._inflight = False
-                    self.dropped[REFUSED] += 1
+                    self._refuse(REFUSED if verdict is False else verdict)
                     continue
                 self._inflight = False
                 self.accepted += 1
             if wake in ready:
                 return
+
+    def _refuse(self, why: Any) -> None:
+        why = why if why in REFUSAL_REASONS else REFUSED
+        if not self.dropped[why]:
+            log.warning("ingest: refusing records (%s); further ones counted", why)
+        self.dropped[why] += 1
 
     def _credit(self, rec: dict[str, Any], pid: int | None) -> bool:
         """Stamp the kernel's pid for the sender on ``rec`` (``host_pid``, replacing

@@ -623,6 +623,14 @@ class TraceWriter:
         for rec in recs:
             self.write(rec)
 
+    def size(self) -> int:
+        """Bytes in the file so far: those written out (buffered ones included),
+        not the open ``.zst`` frame's (what ``trace_segments`` rotates on)."""
+        with self._lock:
+            if self.closed:
+                return self.path.stat().st_size if self.path.exists() else 0
+            return self._raw.tell()
+
     def sync(self) -> None:
         with self._lock:
             if not self.closed and self.failed is None:

@@ -43,12 +43,30 @@ def field_names(format_text: str) -> set[str]:
     return names
 
 
+NOT_MOUNTED = "tracefs not mounted (mount -t tracefs tracefs /sys/kernel/tracing)"
+
+
+def why_no_tracefs(roots: tuple[str, ...] = TRACEFS_ROOTS) -> str:
+    """Why :func:`find_tracefs` found none: not mounted, or mounted where this
+    process may not look (a dedicated user without CAP_DAC_READ_SEARCH sees
+    tracefs's root as mode 0700): a permission problem, said as one."""
+    for root in roots:
+        try:
+            os.stat(os.path.join(root, "events"))
+        except PermissionError:
+            return (
+                f"tracefs at {root} is not readable by this process (permission denied): "
+                "run as root, or grant CAP_DAC_READ_SEARCH (docs/deploy.md)"
+            )
+        except OSError:
+            continue
+    return NOT_MOUNTED
+
+
 def check_tracepoint(root: Path | None, name: str, fields: tuple[str, ...]) -> TracepointCheck:
     """Does tracepoint ``name`` exist under ``root`` with every one of ``fields``?"""
     if root is None:
-        return TracepointCheck(
-            name, "tracefs not mounted (mount -t tracefs tracefs /sys/kernel/tracing)"
-        )
+        return TracepointCheck(name, why_no_tracefs())
     category, event = name.split(":", 1)
     fmt = root / "events" / category / event / "format"
     try:

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "progress": 0,
     # sources of records
     "emit": 1,
+    "trace_segments": 1,
     "probes": 1,
     "synth": 1,
     "hooks": 2,
