@@ -207,21 +207,24 @@ class Emitter:
             except Exception:  # noqa: BLE001 - a bad greeting must not stop the sender
                 hello = []
             for g in hello:
-                if not self._deliver(g):
-                    self._dropped_send += 1  # still away: rec waits for the next try
+                # A greeting is a copy of a record already counted when first
+                # sent: only rec is counted as dropped if the daemon is still away.
+                if not self._deliver(g, counted=False):
+                    self._dropped_send += 1
                     return
             self.greetings += 1
         self._deliver(rec)
 
-    def _deliver(self, rec: dict[str, Any]) -> bool:
-        """One datagram; False when it was dropped (counted)."""
+    def _deliver(self, rec: dict[str, Any], *, counted: bool = True) -> bool:
+        """One datagram; False when it was dropped (counted in ``dropped``
+        unless ``counted`` is False: a greeting's copy of an earlier record)."""
         try:
             data = json.dumps(rec, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError):
-            self._dropped_send += 1
+            self._dropped_send += counted
             return False
         if len(data) > MAX_DATAGRAM:
-            self._dropped_send += 1
+            self._dropped_send += counted
             self.oversize += 1
             return False
         try:
@@ -230,7 +233,7 @@ class Emitter:
             if e.errno in _ABSENT:
                 self._retry_at = self._clock() + self.retry_interval
                 self._absent = True
-            self._dropped_send += 1
+            self._dropped_send += counted
             return False
         self._retry_at = 0.0
         self._absent = False

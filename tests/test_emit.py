@@ -159,6 +159,23 @@ def test_a_daemon_back_after_a_crash_hears_the_greeting_first(sock_path: str) ->
             second.close()
 
 
+def test_a_greeting_to_nobody_is_not_counted_as_a_dropped_record(sock_path: str) -> None:
+    """While nobody listens, each retry tries the greeting first and fails: only
+    the record in hand counts as dropped, so ``dropped`` stays the number of
+    records the sender could not deliver (the trainer prints it; the test of a
+    job with no daemon compares it with the records it wrote)."""
+    now = [100.0]
+    hello = {"kind": "rank", "t": 1.0, "rank": 0, "world_size": 1, "host": "h", "pid": 1,
+             "addrs": []}  # fmt: skip
+    with Emitter(sock_path, retry_interval=1.0, clock=lambda: now[0]) as em:
+        em.set_greeting(lambda: [hello])
+        for step in range(6):
+            em.emit({**REC, "step": step})
+            em.flush()
+            now[0] += 1.5  # every record past the retry interval: a greeting tried each time
+        assert (em.sent, em.dropped, em.greetings) == (0, 6, 0)
+
+
 def test_oversize_and_unencodable_records_are_dropped(
     sock_path: str, receiver: socket.socket
 ) -> None:
