@@ -579,6 +579,9 @@ class Correlator:
         self._pair_keys: list[tuple[int, int]] | None = None  # sorted(self.pairs), cached
         self._matrix: tuple[PairFlow, ...] | None = None  # flow_matrix's last answer
         self._matrix_oldest = math.inf  # its oldest sample's time
+        # Flow samples whose interval began before this are no evidence (a new
+        # attempt's warm-up: ``drop_flows_before``); -inf: every sample counts.
+        self._flow_floor = -math.inf
         self.job_done = -1
         self.max_coll_step = -1  # newest step any rank reported collectives of
         self._reports: dict[int, int] = {}  # step -> ranks whose step record is filed
@@ -1232,9 +1235,19 @@ class Correlator:
             mid_step=self.max_coll_step > self.job_done,
         )
 
+    def drop_flows_before(self, t: float) -> None:
+        """From now on a flow sample counts only if its interval began at ``t`` or later.
+
+        A polled srtt is the socket's smoothed RTT at the poll, so a sample whose
+        interval overlaps a new attempt's warm-up (fresh connections in slow
+        start, a checkpoint being loaded) still carries it."""
+        self._flow_floor = t
+        self._matrix = None
+
     def flow_matrix(self, now: float) -> tuple[PairFlow, ...]:
         """Each directed pair's figures over the latest ``flow_window_s`` seconds."""
         horizon = now - self.flow_window_s
+        floor = self._flow_floor
         # Steps come faster than flow samples: while no sample arrived and none
         # aged out, the matrix is the one already built (the very same tuple,
         # which also lets the detector reuse what it derived from it).
@@ -1249,7 +1262,7 @@ class Correlator:
         for key in keys:
             pair = pairs[key]
             samples = pair.samples
-            while samples and samples[0][0] < horizon:
+            while samples and (samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor):
                 samples.popleft()
                 pair.view = None
             if not samples:

@@ -116,20 +116,25 @@ class JobSummary:
     open: tuple[tuple[int, str], ...]  # (rank, cause) of verdicts still open
 
 
-def restart_state(old: DetectState) -> DetectState:
+def restart_state(old: DetectState, warmup: int = 0) -> DetectState:
     """The detector's state for a new attempt of a job: its history, no liveness.
 
     Kept: the job's step-time and srtt baselines, the noise floor, each rank's
     own compute history (what "slower than it used to" is measured against).
     Dropped: open verdicts, lost and hung ranks, the recent window, the
-    persistence counters and the network memo.
+    persistence counters and the network memo. The attempt's first ``warmup``
+    steps are a warm-up (``restart_warmup``), as a job's first steps are.
     """
     tracks = {
         r: NEW_TRACK._replace(compute_hist=t.compute_hist, compute_sorted=t.compute_sorted)
         for r, t in old.tracks.items()
     }
     return DetectState(
-        tracks=tracks, job_hist=old.job_hist, srtt_hist=old.srtt_hist, rel_noise=old.rel_noise
+        tracks=tracks,
+        job_hist=old.job_hist,
+        srtt_hist=old.srtt_hist,
+        rel_noise=old.rel_noise,
+        warmup=warmup,
     )
 
 
@@ -341,7 +346,7 @@ class JobRouter:
     def _start(self, jid: str, attempt: int, t: float, announced: Any, history: Any) -> Job:
         pipe = self._make(self.config)
         if history is not None:
-            pipe.state = restart_state(history)
+            pipe.state = restart_state(history, pipe.config.baseline.restart_warmup)
         job = Job(jid, attempt, pipe, t, self.now, announced)
         self.jobs[jid] = job
         return job

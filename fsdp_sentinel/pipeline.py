@@ -517,8 +517,12 @@ class Pipeline:
             ev["cost"] = cost
 
     def _run(self, summary: Any) -> list[Record]:
+        warming = self.state.warmup
         report = detect(summary, self.state, self.config)
         self.state = report.state
+        if warming and not report.state.warmup:
+            # A new attempt's warm-up is over: its flow samples are no evidence.
+            self.corr.drop_flows_before(summary.t)
         self.last_report = report
         if report.step is not None:
             # Evidence windows are counted in the job's own steps (a floor in

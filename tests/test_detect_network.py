@@ -189,3 +189,28 @@ def test_compute_stall_whose_receivers_inflate_srtt_is_compute_and_nothing_else(
     verdicts = Pipeline().feed_many(recs)
     found = {(v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged"}
     assert found == {(1, "compute")}, verdicts
+
+
+def test_a_side_groups_sparse_flows_between_non_neighbours_are_no_slow_link() -> None:
+    from fsdp_sentinel.correlate import PairFlow
+    from fsdp_sentinel.detect.network import network_view
+
+    cfg = DetectConfig().network
+    ring = matrix({}, {})
+    ring = tuple(p._replace(srtt_us=300.0) for p in ring)
+
+    def side(nbytes: int) -> tuple:
+        # Ranks 0 and 2 exchange no ring data; the checkpoint group's
+        # request-and-reply messages do (the rank-kill-resume lab: 73 and 203 KB
+        # in the window against 6-10 MB a ring pair), the far end's reply time in
+        # their srtt (4.1 and 0.67 ms against 0.2-0.3 ms).
+        return (
+            PairFlow(0, 2, nbytes, nbytes, 3.0, 700.0, 0),
+            PairFlow(2, 0, nbytes, nbytes, 3.0, 4000.0, 0),
+        )
+
+    view = network_view(tuple(sorted(ring + side(200_000))), [0, 1, 2, 3], None, cfg)
+    assert view.links == {} and view.node == {}
+    # The same srtt on a pair that carries the job's data is a slow link.
+    view = network_view(tuple(sorted(ring + side(2 << 20))), [0, 1, 2, 3], None, cfg)
+    assert view.links == {0: (2, "srtt", pytest.approx(700.0 / 300.0))}

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from fsdp_sentinel import synth, trace
+from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.exporters.prometheus import families
 from fsdp_sentinel.jobs import JobRouter
 from fsdp_sentinel.pipeline import Pipeline
@@ -275,3 +276,38 @@ def test_replay_of_a_trace_holding_two_jobs_says_so(tmp_path: Path, capsys) -> N
     assert "job second attempt 1: 4 ranks, 30 steps" in out
     assert "job=second" in out and "job=first" not in out
     assert [v["job"] for v in replay_paths([path])] == ["second"]
+
+
+def restarted(second_faults: tuple[Any, ...]) -> tuple[list[Record], float]:
+    """A clean 20-step attempt, then a second attempt of the same job (new pids,
+    steps from 0 again) with ``second_faults``; the records and when it began."""
+    recs, _ = synth.generate(Scenario(steps=20, seed=21))
+    first, node_a = as_job(recs, "elastic", 20000)
+    end = max(trace.record_time(r) for r in first)
+    again, _ = synth.generate(Scenario(steps=30, faults=second_faults, seed=22))
+    second, node_b = as_job(again, "elastic", 30000, end + 3.0 - 1_700_000_000.0)
+    return merged(first, second, merged(node_a, node_b)), min(map(trace.record_time, second))
+
+
+def test_a_restarted_attempts_first_steps_are_a_warm_up_as_a_jobs_first_steps_are() -> None:
+    # The rank-kill-resume lab: after the restart the fresh connections' first
+    # polls carried a high srtt into one host while the first steps ran long,
+    # judged against the old attempt's baseline: `network` flags with no fault.
+    # Here the new attempt's first 6 steps are slow on rank 0's flows, as then.
+    recs, began = restarted((SlowNetwork(0, 1.5, 0, 6),))
+    cold = JobRouter(DetectConfig().with_(restart_warmup=0))
+    flagged = [v for v in cold.feed_many(recs) if v["state"] == "flagged" and v["t"] >= began]
+    assert [(v["rank"], v["cause"]) for v in flagged] == [(0, "network")]  # the old behaviour
+    router = JobRouter()
+    after = [v for v in router.feed_many(recs) if v["t"] >= began]
+    assert after == []  # nothing at all after the resume
+    # The warm-up ends: the history goes on from the old attempt's baseline.
+    state = router.jobs["elastic"].pipeline.state
+    assert state.warmup == 0 and state.job_hist
+
+
+def test_a_slow_down_after_the_warm_up_is_still_flagged() -> None:
+    recs, began = restarted((SlowNetwork(0, 1.5, 10, 30),))
+    after = [v for v in JobRouter().feed_many(recs) if v["t"] >= began]
+    flags = [(v["rank"], v["cause"], v["step"]) for v in after if v["state"] == "flagged"]
+    assert [f[:2] for f in flags] == [(0, "network")] and 10 <= flags[0][2] <= 16, flags

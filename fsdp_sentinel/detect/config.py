@@ -45,6 +45,13 @@ class BaselineConfig(_Checked):
     min_history: int = 5
     """Steps of history needed before a baseline (and so any score) exists."""
 
+    restart_warmup: int = 5
+    """Steps of a new attempt of a job (an elastic restart) judged as a warm-up,
+    as a job's first ``min_history`` steps are: the restarted ranks load a
+    checkpoint and open fresh connections, so neither their step times nor the
+    flow samples of those steps (nor any sample that overlaps them) are
+    evidence; ``rank_lost`` and ``hang`` are judged throughout."""
+
     baseline_adapt_steps: int = 50
     """After this many stretched steps with nobody to blame, the new step time
     becomes the baseline (a job that got slower for good, e.g. a new phase)."""
@@ -133,6 +140,13 @@ class NetworkConfig(_Checked):
 
     net_min_bytes: int = 65536
     """Bytes a pair must send in the flow window to count."""
+
+    link_min_share: float = 0.1
+    """A link is judged on its srtt only while it carries at least this share of
+    the median link's bytes (both directions, over the window): a side group's
+    sparse request-and-reply traffic (the trainer's checkpoint group between
+    ranks that exchange no collective data) shows the far end's reply time in
+    its srtt and carries nothing the job's collectives wait on."""
 
     retrans_min: int = 8
     """Retransmits in the window before their share can localise a problem."""

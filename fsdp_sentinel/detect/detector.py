@@ -58,6 +58,9 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
             else replace(state, lost=lost_now, hung=hung_now),
         )
 
+    if state.warmup > 0:
+        return _warmup(summary, state, lost_now, hung_now, lost_verdicts)
+
     step = summary.step
     tracks = dict(state.tracks)
     present = [rs for rs in summary.ranks if rs.rank not in lost_now]
@@ -293,4 +296,36 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         tuple(scores),
         tuple(sorted(verdicts, key=_by_rank)),
         new_state,
+    )
+
+
+def _warmup(
+    summary: Summary,
+    state: DetectState,
+    lost_now: dict[int, float],
+    hung_now: dict[int, int],
+    lost_verdicts: list[Verdict],
+) -> Report:
+    """A step of a new attempt's warm-up (``restart_warmup``): the restarted ranks
+    load a checkpoint and open fresh connections, so, as in a job's first steps
+    (no baseline yet), no rank is scored and nothing joins the histories; a
+    rank lost or hung is still judged (above)."""
+    present = [rs for rs in summary.ranks if rs.rank not in lost_now]
+    steps = [rs.step_s for rs in present if rs.step_s is not None]
+    scores = tuple(
+        RankScore(
+            rs.rank, None, None, None, None, None, rs.compute_s, rs.wait_s, None, None, "ok", None
+        )
+        for rs in present
+    )
+    return Report(
+        summary.t,
+        summary.step,
+        median(steps) if steps else None,
+        None,
+        None,
+        None,
+        scores,
+        tuple(sorted(lost_verdicts, key=_by_rank)),
+        replace(state, lost=lost_now, hung=hung_now, warmup=state.warmup - 1),
     )

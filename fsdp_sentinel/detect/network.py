@@ -309,6 +309,8 @@ def _slow_links(
     Slow links sharing one end make that end a node (into ``node``)."""
     slow: list[tuple[int, int, float]] = []
     n_active = sum(map(len, between.values()))
+    link_bytes = {k: sum(p.tx_bytes for p in v) for k, v in between.items()}
+    min_bytes = cfg.link_min_share * median(list(link_bytes.values())) if between else 0.0
     # Every active flow's figures, sorted once: "the rest of the job" for each
     # link is these without the link's own (a copy per link was quadratic).
     everyone: list[float] | None = None
@@ -316,6 +318,8 @@ def _slow_links(
     for (a, b), mine in between.items():
         if len({(p.rank, p.peer) for p in mine}) < 2:
             continue  # data one way only: one flow is too little to blame a cable
+        if link_bytes[(a, b)] < min_bytes:
+            continue  # a side group's sparse traffic: nothing the job waits on
         if b in flagged and a not in flagged:
             # ``b`` (the end that does not carry a link verdict) is flagged as
             # a host already: the verdict stays put.

@@ -50,6 +50,9 @@ class DetectState:
     # The last flow matrix's network view, reused while the matrix and what it
     # was judged with are unchanged (steps come faster than flow samples).
     net_memo: tuple[Any, ...] = ()
+    # Steps of a new attempt (an elastic restart) still to be judged as a
+    # warm-up (``restart_warmup``): liveness only, no history (0: none).
+    warmup: int = 0
 
 
 class RankScore(NamedTuple):
