@@ -87,14 +87,16 @@ def test_leader_daemon_killed_mid_run_next_node_leads_within_3_windows(
                 snap = d.snapshot()
                 return snap.cluster[0] if snap is not None and snap.cluster else None
 
-            # Until every node follows rank 0's node, with steps under way.
+            # Until every node follows rank 0's node through the store (view
+            # "cluster"; a node that has not reached the store yet names the same
+            # leader from the rank records alone), with steps under way.
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 views = [cluster(d) for d in survivors]
                 snap = nodes.daemons[h1].snapshot()
                 steps = [r.step for r in snap.ranks if r.step is not None] if snap else []
                 if (
-                    all(v is not None and v.leader == h0 for v in views)
+                    all(v is not None and v.view == "cluster" and v.leader == h0 for v in views)
                     and steps
                     and max(steps) >= 4
                 ):
