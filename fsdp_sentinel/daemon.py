@@ -504,6 +504,14 @@ class Daemon:
         if http is not None:
             restarts["http"] = http.restarts
         snap = dataclasses.replace(snap, thread_restarts_total=restarts)
+        outputs = {"trace": self._trace, "verdicts": self._verdicts}
+        writers = {name: w for name, w in outputs.items() if w is not None}
+        if writers:  # a write error is logged once by _sync_outputs, counted here
+            snap = dataclasses.replace(
+                snap,
+                trace_write_errors_total={n: int(w.failed is not None) for n, w in writers.items()},
+                trace_records_lost_total={n: w.lost for n, w in writers.items()},
+            )
         if ingest is not None:
             snap = dataclasses.replace(
                 snap,
