@@ -245,7 +245,8 @@ def test_absent_figures_give_no_sample() -> None:
 
 def test_names_units_and_labels_follow_the_conventions() -> None:
     allowed = {"job", "rank", "peer_rank", "host", "op", "cause", "direction", "dev", "le",
-               "kind", "result", "source", "program", "rdma_port", "counter", "version", "thread"}  # fmt: skip
+               "kind", "result", "source", "program", "rdma_port", "counter", "version", "thread",
+               "output"}  # fmt: skip
     fams = list(text_string_to_metric_families(text_of(SNAP)))
     for fam in fams:
         assert fam.name.startswith("fsdp_sentinel_")
