@@ -380,6 +380,18 @@ def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
         snap.thread_restarts_total,
     )
     yield by_key(
+        "trace_write_errors_total",
+        "Write errors on the daemon's output files (each switched that file off), by output.",
+        "output",
+        snap.trace_write_errors_total,
+    )
+    yield by_key(
+        "trace_records_lost_total",
+        "Records not written to an output file after its write error, by output.",
+        "output",
+        snap.trace_records_lost_total,
+    )
+    yield by_key(
         "state_evictions_total",
         "What the correlator's caps and time-to-live dropped or folded, by kind of state.",
         "kind",

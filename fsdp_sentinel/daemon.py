@@ -155,6 +155,9 @@ def default_pipeline(config_path: str | None) -> PipelineLike:
 @dataclass(frozen=True)
 class DaemonConfig:
     socket_path: str = DEFAULT_SOCKET
+    #: Group (gid) given to the ingest socket, mode 0660: its non-root members
+    #: may send (``--socket-group``); None: the daemon's own group.
+    socket_group: int | None = None
     trace_out: str | None = None
     #: Rotate ``trace_out`` at this many bytes (``trace_segments``); None: one file.
     trace_max_bytes: int | None = None
@@ -261,7 +264,11 @@ class Daemon:
             else:
                 log.warning("running without probes (--no-probes): no flow figures")
             self.ingest = IngestServer(
-                cfg.socket_path, self._enqueue, trust_pid=cfg.trust_record_pid, sized=True
+                cfg.socket_path,
+                self._enqueue,
+                socket_group=cfg.socket_group,
+                trust_pid=cfg.trust_record_pid,
+                sized=True,
             ).start()
             log.info(
                 "listening on %s (receive buffer %d KiB)",
@@ -497,6 +504,14 @@ class Daemon:
         if http is not None:
             restarts["http"] = http.restarts
         snap = dataclasses.replace(snap, thread_restarts_total=restarts)
+        outputs = {"trace": self._trace, "verdicts": self._verdicts}
+        writers = {name: w for name, w in outputs.items() if w is not None}
+        if writers:  # a write error is logged once by _sync_outputs, counted here
+            snap = dataclasses.replace(
+                snap,
+                trace_write_errors_total={n: int(w.failed is not None) for n, w in writers.items()},
+                trace_records_lost_total={n: w.lost for n, w in writers.items()},
+            )
         if ingest is not None:
             snap = dataclasses.replace(
                 snap,
@@ -608,6 +623,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help=f"ingest socket the ranks send to (default {DEFAULT_SOCKET})",
     )
+    parser.add_argument(
+        "--socket-group",
+        type=_group,
+        metavar="NAME",
+        help="give the ingest socket this group (name or gid), mode 0660, so ranks "
+        "running as non-root members of it can send (default: the daemon's group)",
+    )
     parser.add_argument("--trace-out", metavar="FILE", help="write every record here (.zst ok)")
     parser.add_argument(
         "--trace-max-bytes",
@@ -700,6 +722,16 @@ def _metrics_addr(text: str) -> tuple[str, int] | None:
         return parse_addr(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _group(text: str) -> int:
+    """A group name (or a numeric gid that names a group) -> its gid."""
+    import grp
+
+    try:
+        return grp.getgrgid(int(text)).gr_gid if text.isdigit() else grp.getgrnam(text).gr_gid
+    except (KeyError, OverflowError, ValueError):
+        raise argparse.ArgumentTypeError(f"no such group: {text!r}") from None
 
 
 def _netns_name(text: str) -> str:
@@ -826,6 +858,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     config = DaemonConfig(
         socket_path=args.socket,
+        socket_group=args.socket_group,
         trace_out=args.trace_out,
         trace_max_bytes=args.trace_max_bytes,
         trace_keep=args.trace_keep,

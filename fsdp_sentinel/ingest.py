@@ -1,7 +1,9 @@
 """The daemon's ingest socket: trace-v1 records from the ranks, one per datagram.
 
 An :class:`IngestServer` binds an AF_UNIX SOCK_DGRAM socket at a path (its
-directory made 0750 when the server creates it, the socket 0660) and runs one
+directory made 0750 when the server creates it, the socket 0660; with
+``socket_group`` both get that group, so ranks running as a non-root user in
+it can reach and send, and everyone else gets ``EACCES``) and runs one
 receive thread that parses each datagram as one JSON record with the trace
 reader's own decoder and schema (:func:`parse_datagram`) and hands it to
 ``on_record``. A malformed datagram is dropped and counted by reason; the
@@ -152,16 +154,20 @@ def parse_datagram(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
     return rec, None
 
 
-def _prepare_path(path: Path) -> None:
-    """Create the socket's directory (0750) and clear a stale socket file.
+def _prepare_path(path: Path, gid: int | None = None) -> None:
+    """Create the socket's directory (0750, group ``gid`` when given) and clear
+    a stale socket file.
 
-    An existing directory keeps its mode (it may be /tmp or shared). A path
+    An existing directory keeps its mode and group (it may be /tmp or shared,
+    or made by systemd's ``RuntimeDirectory=``). A path
     that is a live socket (someone answers) or not a socket at all is an error:
     we never steal another daemon's socket or delete a regular file.
     """
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o750, parents=True)
+        if gid is not None:
+            os.chown(parent, -1, gid)  # the group must traverse it to reach the socket
         os.chmod(parent, 0o750)  # mkdir's mode is filtered by the umask
     try:
         st = os.lstat(path)
@@ -225,6 +231,8 @@ class IngestServer:
     ``malformed_total`` and
     ``dropped_total``. ``rcvbuf`` is the receive buffer the kernel granted,
     ``backlog`` the datagram queue length (see :data:`DEFAULT_BACKLOG`).
+    ``socket_group`` (a gid) is given to the socket (and to its directory when
+    the server creates it): with mode 0660, the members of that group may send.
     """
 
     def __init__(
@@ -235,6 +243,7 @@ class IngestServer:
         rcvbuf: int = DEFAULT_RCVBUF,
         backlog: int = DEFAULT_BACKLOG,
         socket_mode: int = 0o660,
+        socket_group: int | None = None,
         qlen_sysctl: str = QLEN_SYSCTL,
         proc_root: str = "/proc",
         trust_pid: bool = False,
@@ -252,7 +261,7 @@ class IngestServer:
         # Every reason is present from the start, so the dict never changes
         # size while another thread sums it.
         self.dropped: Counter[str] = Counter(dict.fromkeys(ALL_REASONS, 0))
-        _prepare_path(self.path)
+        _prepare_path(self.path, socket_group)
         with _dgram_qlen_at_least(backlog, qlen_sysctl) as granted:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.backlog = granted
@@ -260,6 +269,9 @@ class IngestServer:
             self._set_rcvbuf(rcvbuf)
             self._sock.setsockopt(socket.SOL_SOCKET, SO_PASSCRED, 1)
             self._sock.bind(str(self.path))
+            if socket_group is not None:
+                # Group before mode: the socket is never 0660 with the wrong group.
+                os.chown(self.path, -1, socket_group)
             os.chmod(self.path, socket_mode)
             self._inode = os.stat(self.path).st_ino
         except BaseException:

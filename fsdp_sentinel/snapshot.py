@@ -193,6 +193,11 @@ class Snapshot:
     evictions_total: dict[str, int] = field(default_factory=dict)
     #: The daemon's supervised threads (ingest, pipeline, http): times each was started again.
     thread_restarts_total: dict[str, int] = field(default_factory=dict)
+    #: The daemon's output files (``trace``, ``verdicts``): write errors, each
+    #: of which switched that file off (a full disk), and the records not
+    #: written since. Empty when the daemon writes none.
+    trace_write_errors_total: dict[str, int] = field(default_factory=dict)
+    trace_records_lost_total: dict[str, int] = field(default_factory=dict)
     #: Cluster mode (``run --cluster``): this node's view per job; empty otherwise.
     cluster: tuple[ClusterView, ...] = ()
 

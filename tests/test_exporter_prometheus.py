@@ -78,6 +78,8 @@ SNAP = Snapshot(
     clock_resets_total=2,
     evictions_total={"pair": 5, "op": 0},
     thread_restarts_total={"ingest": 1},
+    trace_write_errors_total={"trace": 1, "verdicts": 0},
+    trace_records_lost_total={"trace": 40, "verdicts": 0},
     events_lost_total={"map_eviction": 7, "tracepoint_miss": 0},
     bpf_programs=(BpfProgramView("tracepoint__sock__sock_send_length", 1000, 2_500_000),),
     rdma_ports=(RdmaPortView("fss-h1", "mlx5_0", 1, 4096, 8192, {"symbol_error": 2}),),
@@ -176,6 +178,10 @@ EXPECTED = [
     ("fsdp_sentinel_stream_refused_total", {"result": "step_ahead"}, 1.0),
     ("fsdp_sentinel_clock_resets_total", {}, 2.0),
     ("fsdp_sentinel_thread_restarts_total", {"thread": "ingest"}, 1.0),
+    ("fsdp_sentinel_trace_write_errors_total", {"output": "trace"}, 1.0),
+    ("fsdp_sentinel_trace_write_errors_total", {"output": "verdicts"}, 0.0),
+    ("fsdp_sentinel_trace_records_lost_total", {"output": "trace"}, 40.0),
+    ("fsdp_sentinel_trace_records_lost_total", {"output": "verdicts"}, 0.0),
     ("fsdp_sentinel_state_evictions_total", {"kind": "op"}, 0.0),
     ("fsdp_sentinel_state_evictions_total", {"kind": "pair"}, 5.0),
     ("fsdp_sentinel_events_lost_total", {"source": "map_eviction"}, 7.0),
@@ -239,7 +245,8 @@ def test_absent_figures_give_no_sample() -> None:
 
 def test_names_units_and_labels_follow_the_conventions() -> None:
     allowed = {"job", "rank", "peer_rank", "host", "op", "cause", "direction", "dev", "le",
-               "kind", "result", "source", "program", "rdma_port", "counter", "version", "thread"}  # fmt: skip
+               "kind", "result", "source", "program", "rdma_port", "counter", "version", "thread",
+               "output"}  # fmt: skip
     fams = list(text_string_to_metric_families(text_of(SNAP)))
     for fam in fams:
         assert fam.name.startswith("fsdp_sentinel_")
