@@ -39,7 +39,11 @@ pytestmark = [pytest.mark.root, pytest.mark.lab, pytest.mark.torch]
 
 NAME = "fss-nd"
 INTERVAL = 0.5
-STEPS = 40  # long enough to outlive a takeover (a job that ends takes its store along)
+# The job must outlive the takeover (a job that ends takes its store along): paced,
+# it lives STEPS * PACE_S seconds at least however fast or loaded the CPU (CI had
+# 40 unpaced steps end before the nodes had even met, and nobody could take over).
+STEPS = 100
+PACE_S = 0.2
 SMALL = ["--layers", "2", "--dim", "64", "--batch", "2", "--seq-len", "32", "--threads", "1",
          "--log-every", "0"]  # fmt: skip
 
@@ -76,7 +80,8 @@ def test_leader_daemon_killed_mid_run_next_node_leads_within_3_windows(
         nodes.wait_ready()
         env = {h: {"FSDP_SENTINEL_SOCKET": str(nodes.socket(h))} for h in nodes.hosts}
         procs = launch_torchrun(
-            lab, ["--steps", str(STEPS), *SMALL], master_port=29641, log_dir=tmp_path / "logs",
+            lab, ["--steps", str(STEPS), "--min-step-seconds", str(PACE_S), *SMALL],
+            master_port=29641, log_dir=tmp_path / "logs",
             host_env=env,
         )  # fmt: skip
         try:
@@ -101,6 +106,8 @@ def test_leader_daemon_killed_mid_run_next_node_leads_within_3_windows(
                     and max(steps) >= 4
                 ):
                     break
+                if steps and max(steps) > STEPS // 2:
+                    pytest.fail(f"half the job went by before the nodes met: {views}")
                 time.sleep(0.1)
             else:
                 pytest.fail(f"the nodes never followed {h0}: {[cluster(d) for d in survivors]}")

@@ -39,6 +39,7 @@ class TrainConfig:
     vocab: int = 256
     batch: int = 8
     steps: int = 20
+    min_step_seconds: float = 0.0  # pace: a step sleeps out the rest of this (0: as fast as it goes)
     seed: int = 0
     lr: float = 3e-3
     text: str | None = None
@@ -114,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--batch", type=_positive, default=8, help="samples per rank per step")
     t.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
+    t.add_argument(
+        "--min-step-seconds",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="S",
+        help="pace the job: every rank's step sleeps out the rest of S seconds, so a test "
+        "knows how long the job lives whatever the CPU (default 0: no pacing)",
+    )
     t.add_argument("--seed", type=int, default=0, help="seed for weights and data")
     t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     t.add_argument(
@@ -237,6 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         vocab=a.vocab,
         batch=a.batch,
         steps=a.steps,
+        min_step_seconds=a.min_step_seconds,
         seed=a.seed,
         lr=a.lr,
         text=a.text,

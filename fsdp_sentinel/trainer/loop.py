@@ -136,6 +136,8 @@ def train(cfg: TrainConfig) -> int:
                 opt.zero_grad(set_to_none=True)
                 loss_value = loss.item()
                 span.loss = loss_value
+                if cfg.min_step_seconds > 0:  # every rank alike, so nobody is a straggler
+                    time.sleep(max(0.0, cfg.min_step_seconds - (time.perf_counter() - t0)))
             step_times.append(time.perf_counter() - t0)
             if (
                 rank == 0
