@@ -221,10 +221,10 @@ class Emitter:
         try:
             data = json.dumps(rec, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError):
-            self._dropped_send += counted
+            self._dropped_send += 1 if counted else 0
             return False
         if len(data) > MAX_DATAGRAM:
-            self._dropped_send += counted
+            self._dropped_send += 1 if counted else 0
             self.oversize += 1
             return False
         try:
@@ -233,7 +233,7 @@ class Emitter:
             if e.errno in _ABSENT:
                 self._retry_at = self._clock() + self.retry_interval
                 self._absent = True
-            self._dropped_send += counted
+            self._dropped_send += 1 if counted else 0
             return False
         self._retry_at = 0.0
         self._absent = False

@@ -1,21 +1,27 @@
-"""Shared by the daemon's subprocess tests: run ``fsdp-sentinel run`` and feed it.
+"""Shared by the daemon's tests: run ``fsdp-sentinel run`` (or a ``Daemon`` in
+this process) and feed it.
 
-Not a test module; ``tests/test_daemon_*.py`` and the Prometheus server test
-import it.
+Not a test module; ``tests/test_daemon_*.py``, the hostile-input and full-disk
+tests and the Prometheus server test import it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from fsdp_sentinel.daemon import Daemon, DaemonConfig
 from fsdp_sentinel.emit import Emitter
+from fsdp_sentinel.pipeline import Pipeline
 
 Record = dict[str, Any]
 
@@ -26,6 +32,42 @@ def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not met in {timeout} s")
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def daemon_running(cfg: DaemonConfig) -> Iterator[Daemon]:
+    """A real ``Daemon`` (its own pipeline) run on a thread; stopped, joined and
+    closed however the block ends (``close()`` must not raise, full disk or not)."""
+    d = Daemon(cfg, pipeline=Pipeline())
+    d.start()
+    t = threading.Thread(target=d.run)
+    t.start()
+    try:
+        yield d
+    finally:
+        d.request_stop()
+        t.join(timeout=30)
+        d.close()
+    assert not t.is_alive()
+
+
+def send_job(
+    d: Daemon, recs: list[Record], *, every_50: Callable[[socket.socket], None] | None = None
+) -> None:
+    """Send ``recs`` as datagrams to ``d``'s socket (``every_50`` may slip in more
+    before every 50th), then wait until the daemon has taken them all."""
+    path = d.config.socket_path
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        for i, rec in enumerate(recs):
+            if every_50 is not None and i % 50 == 0:
+                every_50(s)
+            s.sendto(json.dumps(rec).encode(), path)
+            if i % 100 == 99:
+                time.sleep(0.002)  # a breath for the receive thread on two cores
+    wait_for(
+        lambda: sum(d.snapshot().records_total.values()) >= len(recs),
+        what="the daemon took every record",
+    )
 
 
 def send_paced(em: Emitter, recs: list[Record]) -> None:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from daemon_support import daemon_running, send_job
 
 from fsdp_sentinel.daemon import Daemon, DaemonConfig
 from fsdp_sentinel.ingest import BAD_JSON, BAD_VALUE, IngestServer, parse_datagram
@@ -99,33 +100,19 @@ def test_the_daemon_with_a_full_disk_trace_still_flags_the_straggler(tmp_path: P
     # datagrams in the stream: the slow rank is still flagged, the daemon runs on.
     cfg = DaemonConfig(socket_path=str(tmp_path / "run" / "ingest.sock"), trace_out="/dev/full",
                        metrics_addr=None, interval=0.05, trust_record_pid=True)  # fmt: skip
-    d = Daemon(cfg, pipeline=Pipeline())
-    d.start()
-    t = threading.Thread(target=d.run)
-    t.start()
-    try:
+
+    def hostile(s: socket.socket) -> None:
+        for data, _ in HOSTILE:
+            s.sendto(data, cfg.socket_path)
+
+    with daemon_running(cfg) as d:
         recs, _ = generate(
             Scenario(steps=20, faults=(SlowCompute(rank=2, factor=3.0, start=6, end=20),))
         )
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            for i, rec in enumerate(recs):
-                if i % 50 == 0:
-                    for data, _ in HOSTILE:
-                        s.sendto(data, cfg.socket_path)
-                s.sendto(json.dumps(rec).encode(), cfg.socket_path)
-                if i % 100 == 99:
-                    time.sleep(0.002)
-        deadline = time.monotonic() + 30
-        while sum(d.snapshot().records_total.values()) < len(recs) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        send_job(d, recs, every_50=hostile)
         snap = d.snapshot()
         assert snap.verdicts_total.get("compute") == 1
         assert d._trace is not None and d._trace.failed is not None
-    finally:
-        d.request_stop()
-        t.join(timeout=30)
-        d.close()
-    assert not t.is_alive()
 
 
 def test_a_dead_receive_loop_is_started_again_and_counts_still_add_up(tmp_path: Path) -> None:

@@ -11,22 +11,19 @@ on a real disk (root: mount).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon_support import daemon_running, send_job
 
 from fsdp_sentinel.daemon import Daemon, DaemonConfig
-from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.synth import Scenario, SlowCompute, generate
 
 
@@ -35,30 +32,14 @@ def run_job_with_trace(sock: Path, trace_out: str) -> tuple[Daemon, str]:
     ``trace_out``; returns the closed daemon and its last /metrics text."""
     cfg = DaemonConfig(socket_path=str(sock), trace_out=trace_out, metrics_addr=("127.0.0.1", 0),
                        interval=0.05, trust_record_pid=True)  # fmt: skip
-    d = Daemon(cfg, pipeline=Pipeline())
-    d.start()
-    t = threading.Thread(target=d.run)
-    t.start()
-    try:
+    with daemon_running(cfg) as d:
         recs, _ = generate(
             Scenario(steps=30, faults=(SlowCompute(rank=2, factor=3.0, start=8, end=30),))
         )
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            for i, rec in enumerate(recs):
-                s.sendto(json.dumps(rec).encode(), cfg.socket_path)
-                if i % 100 == 99:
-                    time.sleep(0.002)
-        deadline = time.monotonic() + 30
-        while sum(d.snapshot().records_total.values()) < len(recs) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        send_job(d, recs)
         time.sleep(0.3)  # a few ticks: the failure is published with the snapshot
         with urllib.request.urlopen(d.http.url + "/metrics", timeout=5) as r:
             text = r.read().decode()
-    finally:
-        d.request_stop()
-        t.join(timeout=30)
-        d.close()  # must not raise, full disk or not
-    assert not t.is_alive()
     return d, text
 
 
