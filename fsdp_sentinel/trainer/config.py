@@ -39,7 +39,7 @@ class TrainConfig:
     vocab: int = 256
     batch: int = 8
     steps: int = 20
-    min_step_seconds: float = 0.0  # pace: a step sleeps out the rest of this (0: as fast as it goes)
+    min_step_seconds: float = 0.0  # pace: a step sleeps out the rest (0: none)
     seed: int = 0
     lr: float = 3e-3
     text: str | None = None
