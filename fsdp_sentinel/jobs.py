@@ -439,6 +439,13 @@ class JobRouter:
         out["jobs"] = len(self.retired) + len(self.jobs)
         return out
 
+    def job_of_rank(self, rank: Any) -> Job | None:
+        """The live job that announced ``rank`` last (None: none does)."""
+        try:
+            return self._by_rank.get(rank)
+        except TypeError:  # unhashable
+            return None
+
     def all_jobs(self) -> list[Job]:
         """Every attempt seen, oldest first: retired ones, then the live ones."""
         return sorted([*self.retired, *self.jobs.values()], key=lambda j: j.started_t)

@@ -244,7 +244,9 @@ class Pipeline:
         """Feed a record the guard let through, past the fast check."""
         self._horizon = self._step_limit = math.inf
         try:
-            return self.feed(rec)
+            # This class's own feed, not an override: a subclass that sees each
+            # record as it is fed (the report's) sees a held one once.
+            return Pipeline.feed(self, rec)
         finally:
             self._arm()
 

@@ -131,7 +131,7 @@ def external_refs(html: str) -> list[str]:
 def test_full_trace_renders_every_plot_and_table(tmp_path: Path) -> None:
     trace = full_trace(tmp_path / "t.jsonl.zst")
     out = tmp_path / "r.html"
-    data = write_report([trace], out)
+    (data,) = write_report([trace], out)
     html = out.read_text()
     for name in PLOTS:
         m = re.search(rf'<div class="plot" id="plot-{name}"><svg\b.*?</svg>', html, flags=re.S)
@@ -254,5 +254,5 @@ def test_world_size_from_rank_records(tmp_path: Path, n: int) -> None:
                     "addrs": [],
                 }
             )
-    data = write_report([trace], tmp_path / "r.html")
+    (data,) = write_report([trace], tmp_path / "r.html")
     assert data.world_size == n

@@ -37,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load(paths: Sequence[str | os.PathLike[str]], strict: bool = True) -> model.ReportData:
-    """Read and merge ``paths`` and summarise them for the report."""
+def load_jobs(
+    paths: Sequence[str | os.PathLike[str]], strict: bool = True
+) -> list[model.ReportData]:
+    """Read and merge ``paths`` and summarise them for the report, a job each."""
     from fsdp_sentinel.progress import ProgressLine, counted, wanted
     from fsdp_sentinel.trace import TraceReader, merge_traces
 
@@ -47,7 +49,15 @@ def load(paths: Sequence[str | os.PathLike[str]], strict: bool = True) -> model.
     bar = (
         ProgressLine(total, lambda: sum(r.bytes_read() for r in readers)) if wanted(total) else None
     )
-    return model.build(counted(merge_traces(readers), bar))
+    return model.build_jobs(counted(merge_traces(readers), bar))
+
+
+def load(paths: Sequence[str | os.PathLike[str]], strict: bool = True) -> model.ReportData:
+    """:func:`load_jobs` of a trace of one job (the demo's); ValueError for several."""
+    jobs = load_jobs(paths, strict)
+    if len(jobs) > 1:
+        raise ValueError(f"{', '.join(map(str, paths))} holds {len(jobs)} jobs")
+    return jobs[0]
 
 
 def write_report(
@@ -55,16 +65,16 @@ def write_report(
     output: str | os.PathLike[str],
     title: str | None = None,
     strict: bool = True,
-) -> model.ReportData:
-    """Write the report for ``paths`` to ``output``; returns what it summarised."""
-    data = load(paths, strict=strict)
-    html = page.render(data, [str(p) for p in paths], title)
+) -> list[model.ReportData]:
+    """Write the report for ``paths`` to ``output``; returns what it summarised, a job each."""
+    jobs = load_jobs(paths, strict=strict)
+    html = page.render_jobs(jobs, [str(p) for p in paths], title)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(html, encoding="utf-8")
     tmp.replace(out)  # a reader never sees half a page
-    return data
+    return jobs
 
 
 def main(args: argparse.Namespace) -> int:
@@ -79,12 +89,14 @@ def main(args: argparse.Namespace) -> int:
             )
             return 2
     try:
-        data = write_report(args.traces, args.output, args.title, strict=not args.lenient)
+        jobs = write_report(args.traces, args.output, args.title, strict=not args.lenient)
     except TraceError as e:
         print(f"fsdp-sentinel report: error: {e}", file=sys.stderr)
         return 1
-    print(
-        f"wrote {args.output}: {data.world_size or 0} ranks, {len(data.steps)} steps, "
-        f"{len(data.verdicts)} verdicts, {len(data.faults)} faults"
-    )
+    for i, data in enumerate(jobs):
+        of = f" job {page.job_label(data, i)}:" if len(jobs) > 1 else ""
+        print(
+            f"wrote {args.output}:{of} {data.world_size or 0} ranks, {len(data.steps)} steps, "
+            f"{len(data.verdicts)} verdicts, {len(data.faults)} faults"
+        )
     return 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,8 @@ class ReportData:
     counts: Counter[str] = field(default_factory=Counter)
     flows_unmapped: int = 0
     verdicts_replayed: bool = False
+    #: The job's id ("" for a job without one, or a trace of no job).
+    job: str = ""
     t0: float = 0.0
     t1: float = 0.0
 
@@ -287,35 +289,31 @@ def merge_faults(faults: Iterable[Record]) -> list[Record]:
     return list(by_key.values())
 
 
-def build(records: Iterable[Record], config: DetectConfig | None = None) -> ReportData:
-    """Summarise a (merged, time-ordered) record stream for the report.
+class _Book:
+    """What the report keeps of a stream: the trace's whole, or one pipeline's
+    records (one attempt of one job, as the router fed it)."""
 
-    The records go through a :class:`Pipeline` (``config``: its thresholds,
-    for the verdicts of a trace that has none recorded); every step and flow
-    figure is the pipeline's own.
-    """
-    data = ReportData()
-    seen = _Collector()
-    pipe = Pipeline(config, observer=seen)
-    replayed: list[Record] = []
-    step_recs: list[Record] = []
-    lo, hi = float("inf"), float("-inf")
-    for rec in records:
-        out = pipe.feed(rec)
-        if out:
-            replayed.extend(out)
+    def __init__(self) -> None:
+        self.seen = _Collector()
+        self.counts: Counter[str] = Counter()
+        self.ranks: dict[int, RankInfo] = {}
+        self.step_recs: list[Record] = []
+        self.kept: dict[str, list[Record]] = {"verdict": [], "action": [], "fault": []}
+        self.lo, self.hi = float("inf"), float("-inf")
+
+    def take(self, rec: Record) -> None:
         kind = rec.get("kind", "")
-        data.counts[kind] += 1
+        self.counts[kind] += 1
         if kind == "header":
-            continue
-        # The trace's extent is every record's time (netdev and conn records
-        # go on after the ranks die), plus step starts and fault ends.
+            return
+        # The extent is every record's time (netdev and conn records go on
+        # after the ranks die), plus step starts and fault ends.
         t = record_time(rec)
         extra = rec.get("start") if kind == "step" else rec.get("end") if kind == "fault" else None
-        lo = min(lo, t, float(extra) if extra is not None else t)
-        hi = max(hi, t, float(extra) if extra is not None else t)
+        self.lo = min(self.lo, t, float(extra) if extra is not None else t)
+        self.hi = max(self.hi, t, float(extra) if extra is not None else t)
         if kind == "rank":
-            data.ranks[int(rec["rank"])] = RankInfo(
+            self.ranks[int(rec["rank"])] = RankInfo(
                 int(rec["rank"]),
                 str(rec.get("host", "")),
                 rec.get("pid"),
@@ -323,28 +321,166 @@ def build(records: Iterable[Record], config: DetectConfig | None = None) -> Repo
                 rec.get("world_size"),
             )
         elif kind == "step":
-            step_recs.append(rec)
-        elif kind in ("verdict", "action", "fault"):
-            getattr(data, kind + "s").append(rec)
-    pipe.end()
-    pipe.summarise_pending()
-    if lo <= hi:
-        data.t0, data.t1 = lo, hi
-    for rec in step_recs:
+            self.step_recs.append(rec)
+        elif kind in self.kept:
+            self.kept[kind].append(rec)
+
+
+class _BookedPipeline(Pipeline):
+    """A job's pipeline that also keeps the report's book of every record it is fed."""
+
+    def __init__(self, config: DetectConfig | None, book: _Book) -> None:
+        super().__init__(config, observer=book.seen)
+        self.book = book
+
+    def feed(self, rec: Record) -> Sequence[Record]:
+        self.book.take(rec)
+        return super().feed(rec)
+
+
+def build_jobs(records: Iterable[Record], config: DetectConfig | None = None) -> list[ReportData]:
+    """Summarise a (merged, time-ordered) record stream for the report: one
+    :class:`ReportData` per job, in the order the jobs started.
+
+    The records go through a :class:`~fsdp_sentinel.jobs.JobRouter`, as in
+    ``replay`` (``config``: its thresholds, for the verdicts of a trace that
+    has none recorded), so each job is judged on its own and every step and
+    flow figure is its pipeline's own. The attempts of one job (an elastic
+    restart) are one report; a job without an id is never joined to another
+    (it cannot be told apart). A trace of one job reports the whole trace:
+    its extent and record counts. The trace's verdict and action records go to
+    the job they name (``job``), else to the job that announced their rank.
+    """
+    from fsdp_sentinel.jobs import JobRouter
+
+    books: dict[int, _Book] = {}
+
+    def make(cfg: DetectConfig | None) -> Pipeline:
+        book = _Book()
+        pipe = _BookedPipeline(cfg, book)
+        books[id(pipe)] = book
+        return pipe
+
+    router = JobRouter(config, pipeline_factory=make)
+    whole = _Book()
+    replayed: list[Record] = []
+    said: dict[str, list[Record]] = defaultdict(list)  # job id -> its verdicts and actions
+    for rec in records:
+        whole.take(rec)
+        if rec.get("kind") in ("verdict", "action"):
+            said[_job_named(rec, router)].append(rec)
+        caused = router.feed(rec)
+        if caused:
+            replayed.extend(caused)
+    replayed.extend(router.end())
+    groups: dict[Any, list[Any]] = {}
+    for job in sorted(router.all_jobs(), key=lambda j: (j.started_t, j.attempt)):
+        job.pipeline.summarise_pending()
+        # A job without an id is each attempt on its own (another job, for all we know).
+        groups.setdefault(job.job or ("", job.attempt), []).append(job)
+    if len(groups) <= 1:  # one job (or none): the page covers the whole trace
+        jobs = next(iter(groups.values()), [])
+        attempts = [books[id(j.pipeline)] for j in jobs] if jobs else [whole]
+        data = _assemble(attempts, [r for recs in said.values() for r in recs], replayed)
+        data.job = jobs[0].job if jobs else ""
+        data.counts = whole.counts
+        if whole.lo <= whole.hi:
+            data.t0, data.t1 = whole.lo, whole.hi
+            data.spans = _spans(data.verdicts, data.job_end(), data.t1)
+        data.flows_unmapped = sum(j.pipeline.stats["unattributed_flows"] for j in jobs)
+        return [data]
+    by_job: dict[str, list[Record]] = defaultdict(list)
+    for v in replayed:
+        by_job[str(v.get("job", ""))].append(v)
+    out: list[ReportData] = []
+    for key, jobs in groups.items():
+        jid = key if isinstance(key, str) else ""
+        mine, again = said.get(jid, []), by_job.get(jid, [])
+        if not jid:  # of the jobs without an id, this attempt's by time
+            lo, hi = jobs[0].started_t, jobs[0].retired_t
+            mine, again = _between(mine, lo, hi), _between(again, lo, hi)
+        data = _assemble([books[id(j.pipeline)] for j in jobs], mine, again)
+        data.job = jid
+        data.flows_unmapped = sum(j.pipeline.stats["unattributed_flows"] for j in jobs)
+        out.append(data)
+    return out
+
+
+def _between(recs: list[Record], lo: float, hi: float | None) -> list[Record]:
+    return [r for r in recs if lo <= float(r["t"]) and (hi is None or float(r["t"]) < hi)]
+
+
+def _job_named(rec: Record, router: Any) -> str:
+    """The job a trace's verdict or action record belongs to."""
+    jid = rec.get("job")
+    if isinstance(jid, str):
+        return jid
+    job = router.job_of_rank(rec.get("rank"))
+    return job.job if job is not None else ""
+
+
+def _merged(books: list[_Book]) -> _Book:
+    """The attempts of one job as one book (their records in order; each
+    attempt's steps stay its own pipeline's, see :func:`_step_rows`)."""
+    if len(books) == 1:
+        return books[0]
+    out = _Book()
+    for b in books:
+        out.counts.update(b.counts)
+        out.ranks.update(b.ranks)
+        for k, recs in b.kept.items():
+            out.kept[k].extend(recs)
+        out.lo, out.hi = min(out.lo, b.lo), max(out.hi, b.hi)
+        for pair, by_t in b.seen.flows.items():
+            for t, recs in by_t.items():
+                out.seen.flows[pair][t].extend(recs)
+    return out
+
+
+def _step_rows(book: _Book) -> list[StepRow]:
+    """The steps of one pipeline's records, with the compute/wait split it judged."""
+    judged = dict(book.seen.steps)
+    rows = []
+    for rec in book.step_recs:
         key = (int(rec["rank"]), int(rec["step"]))
-        rs = seen.steps.get(key)
+        rs = judged.get(key)
         if rs is None or rs.step_s is None:
             continue  # the pipeline never judged it (late); nor do we show it
         start, end = float(rec["start"]), float(rec["end"])
-        data.steps.append(StepRow(key[0], key[1], start, end, rs.wait_s, rs.n_coll))
-        del seen.steps[key]  # a step record delivered twice is one row
-    data.steps.sort(key=lambda s: (s.rank, s.step))
-    data.faults = merge_faults(data.faults)
+        rows.append(StepRow(key[0], key[1], start, end, rs.wait_s, rs.n_coll))
+        del judged[key]  # a step record delivered twice is one row
+    return rows
+
+
+def _assemble(books: list[_Book], said: list[Record], replayed: list[Record]) -> ReportData:
+    """One job's :class:`ReportData` from its attempts' books: steps as each
+    attempt's pipeline judged them, the trace's own verdicts (else the replayed
+    ones), spans and peers."""
+    book = _merged(books)
+    data = ReportData()
+    data.counts = book.counts
+    data.ranks = dict(book.ranks)
+    if book.lo <= book.hi:
+        data.t0, data.t1 = book.lo, book.hi
+    data.steps = [row for b in books for row in _step_rows(b)]
+    data.steps.sort(key=lambda s: (s.rank, s.step, s.start))
+    data.faults = merge_faults(book.kept["fault"])
+    data.verdicts = [r for r in said if r.get("kind") == "verdict"]
+    data.actions = [r for r in said if r.get("kind") == "action"]
     if not data.verdicts and replayed:
-        data.verdicts, data.verdicts_replayed = replayed, True
+        data.verdicts, data.verdicts_replayed = list(replayed), True
     for kind in ("verdicts", "actions", "faults"):
         getattr(data, kind).sort(key=lambda r: float(r["t"]))
     data.spans = _spans(data.verdicts, data.job_end(), data.t1)
-    data.peers = seen.peer_series()
-    data.flows_unmapped = pipe.stats["unattributed_flows"]
+    data.peers = book.seen.peer_series()
     return data
+
+
+def build(records: Iterable[Record], config: DetectConfig | None = None) -> ReportData:
+    """:func:`build_jobs` of a trace of one job (a ValueError names the jobs
+    of a trace that holds several)."""
+    jobs = build_jobs(records, config)
+    if len(jobs) > 1:
+        names = ", ".join(repr(d.job) for d in jobs)
+        raise ValueError(f"the trace holds {len(jobs)} jobs ({names}): use build_jobs")
+    return jobs[0]

@@ -67,8 +67,8 @@ def _note(text: str) -> str:
     return f'<p class="note">{escape(text)}</p>'
 
 
-def _section(title: str, body: str, ident: str) -> str:
-    return f'<section id="{ident}"><h2>{escape(title)}</h2>{body}</section>'
+def _section(title: str, body: str, ident: str, level: int = 2) -> str:
+    return f'<section id="{ident}"><h{level}>{escape(title)}</h{level}>{body}</section>'
 
 
 def _plot(svg: str | None, ident: str, missing: str) -> str:
@@ -267,8 +267,9 @@ def _fault_table(data: ReportData) -> str:
     return _table(("onset t (s)", "end t (s)", "step", "host", "rank", "what", "params"), rows)
 
 
-def render(data: ReportData, paths: Sequence[str], title: str | None = None) -> str:
-    """The whole report page as one HTML string."""
+def _job_sections(data: ReportData, paths: Sequence[str], title: str | None,
+                  prefix: str = "", level: int = 2) -> list[str]:  # fmt: skip
+    """One job's sections (ids and plot ids start with ``prefix``)."""
     no_steps = "No step records in this trace (no trainer hooks): step-time plots omitted."
     no_flows = (
         "No flow records mapped to ranks in this trace (probes not running, or flows"
@@ -276,21 +277,25 @@ def render(data: ReportData, paths: Sequence[str], title: str | None = None) -> 
     )
     if data.flows_unmapped and not data.peers:
         no_flows += f" {data.flows_unmapped} flow records could not be mapped to a rank pair."
-    sections = [
-        _section("Summary", summary(data, paths, title), "summary"),
-        _section("Ranks", _rank_table(data), "ranks"),
-        _section(
+
+    def section(name: str, body: str, ident: str) -> str:
+        return _section(name, body, prefix + ident, level)
+
+    return [
+        section("Summary", summary(data, paths, title), "summary"),
+        section("Ranks", _rank_table(data), "ranks"),
+        section(
             "Step time per rank",
-            _plot(plots.step_timeline(data), "timeline", no_steps)
+            _plot(plots.step_timeline(data), prefix + "timeline", no_steps)
             + _note(
                 "Shaded: a rank flagged (from flagged to cleared verdict). Dashed: fault onset;"
                 " dotted: fault end."
             ),
             "timeline",
         ),
-        _section(
+        section(
             "Compute vs wait",
-            _plot(plots.compute_wait(data), "computewait", no_steps)
+            _plot(plots.compute_wait(data), prefix + "computewait", no_steps)
             + _note(
                 "Wait: time inside the rank's collectives during the step (union of coll"
                 " issue..end), as the detector and /metrics count it; compute: step time"
@@ -298,16 +303,19 @@ def render(data: ReportData, paths: Sequence[str], title: str | None = None) -> 
             ),
             "computewait",
         ),
-        _section(
+        section(
             "Per-peer throughput and srtt",
-            _plot(plots.peer_series(data), "peers", no_flows)
-            + (_plot(plots.peer_matrix(data), "matrix", "") if data.peers else ""),
+            _plot(plots.peer_series(data), prefix + "peers", no_flows)
+            + (_plot(plots.peer_matrix(data), prefix + "matrix", "") if data.peers else ""),
             "peers",
         ),
-        _section("Verdicts", _verdict_table(data), "verdicts"),
-        _section("Actions", _action_table(data), "actions"),
-        _section("Faults (ground truth)", _fault_table(data), "faults"),
+        section("Verdicts", _verdict_table(data), "verdicts"),
+        section("Actions", _action_table(data), "actions"),
+        section("Faults (ground truth)", _fault_table(data), "faults"),
     ]
+
+
+def _page(title: str | None, sections: list[str]) -> str:
     heading = escape(title or "fsdp-sentinel report")
     return (
         "<!DOCTYPE html>\n"
@@ -315,3 +323,43 @@ def render(data: ReportData, paths: Sequence[str], title: str | None = None) -> 
         f"<title>{heading}</title><style>{CSS}</style></head>"
         f"<body><h1>{heading}</h1>{''.join(sections)}</body></html>\n"
     )
+
+
+def render(data: ReportData, paths: Sequence[str], title: str | None = None) -> str:
+    """The whole report page of one job as one HTML string."""
+    return _page(title, _job_sections(data, paths, title))
+
+
+def job_label(data: ReportData, i: int) -> str:
+    """How the page names a job: its id, else its place in the trace."""
+    return data.job or f"job {i + 1} (no id)"
+
+
+def _jobs_index(jobs: Sequence[ReportData]) -> str:
+    rows = []
+    for i, data in enumerate(jobs):
+        steps = data.step_range()
+        flags = "; ".join(f"rank {v['rank']} {cause_text(v)}" for v in data.first_flags())
+        rows.append(
+            f'<tr><td><a href="#job{i}">{escape(job_label(data, i))}</a></td>'
+            f'<td class="num">{data.world_size or 0}</td>'
+            f"<td>{escape(f'{steps[0]}–{steps[1]}' if steps else 'none')}</td>"
+            f"<td>{escape(flags or 'no rank flagged')}</td></tr>"
+        )
+    head = "<tr><th>job</th><th>ranks</th><th>steps</th><th>found</th></tr>"
+    note = _note("Each job was judged on its own, as replay and the daemon judge them.")
+    return f"<table>{head}{''.join(rows)}</table>{note}"
+
+
+def render_jobs(jobs: Sequence[ReportData], paths: Sequence[str], title: str | None = None) -> str:
+    """The report page of a trace of one job or several (a section each, after an index)."""
+    if len(jobs) == 1:
+        return render(jobs[0], paths, title)
+    sections = [_section(f"{len(jobs)} jobs in this trace", _jobs_index(jobs), "jobs")]
+    for i, data in enumerate(jobs):
+        body = "".join(_job_sections(data, paths, None, f"job{i}-", level=3))
+        sections.append(
+            f'<section class="job" id="job{i}"><h2>Job {escape(job_label(data, i))}</h2>'
+            f"{body}</section>"
+        )
+    return _page(title, sections)
