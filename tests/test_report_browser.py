@@ -154,7 +154,7 @@ def near(colours: set[tuple[int, ...]], target: tuple[int, int, int], tol: int =
 
 def test_report_loads_and_every_plot_renders(trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.html"
-    data = write_report([trace], out)
+    (data,) = write_report([trace], out)
     url = out.as_uri()
     expected = ["timeline", "computewait"] + (["peers", "matrix"] if data.peers else [])
 
@@ -192,7 +192,7 @@ def test_trainer_report_shows_the_real_stall(trainer_trace: Path, tmp_path: Path
     # rank waits for; the step records themselves give the steps after it.
     recs = [r for r in read_trace(trainer_trace) if r["kind"] == "step"]
     fast = [r["end"] - r["start"] for r in recs if r["step"] >= DELAY_STEPS[1]]
-    data = write_report([trainer_trace], tmp_path / "r.html")
+    (data,) = write_report([trainer_trace], tmp_path / "r.html")
     ph = data.phases()
     assert ph.during is not None and ph.after is not None
     assert ph.during >= 0.4
@@ -221,7 +221,7 @@ def test_a_thousand_rank_report_is_one_self_contained_heatmap_page(
     fleet_trace: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "fleet.html"
-    data = write_report([fleet_trace], out)
+    (data,) = write_report([fleet_trace], out)
     html = out.read_text()
     assert len(data.rank_ids()) == FLEET
     # one file: nothing fetched from anywhere
