@@ -39,7 +39,7 @@ class TrainConfig:
     vocab: int = 256
     batch: int = 8
     steps: int = 20
-    min_step_seconds: float = 0.0  # pace: a step sleeps out the rest (0: none)
+    step_sleep: float = 0.0  # pace: every rank sleeps this long at each step's end
     seed: int = 0
     lr: float = 3e-3
     text: str | None = None
@@ -116,11 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch", type=_positive, default=8, help="samples per rank per step")
     t.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
     t.add_argument(
-        "--min-step-seconds",
+        "--step-sleep",
         type=_nonneg_float,
         default=0.0,
         metavar="S",
-        help="pace the job: every rank's step sleeps out the rest of S seconds, so a test "
+        help="pace the job: every rank sleeps S seconds at the end of each step, so a test "
         "knows how long the job lives whatever the CPU (default 0: no pacing)",
     )
     t.add_argument("--seed", type=int, default=0, help="seed for weights and data")
@@ -246,7 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         vocab=a.vocab,
         batch=a.batch,
         steps=a.steps,
-        min_step_seconds=a.min_step_seconds,
+        step_sleep=a.step_sleep,
         seed=a.seed,
         lr=a.lr,
         text=a.text,

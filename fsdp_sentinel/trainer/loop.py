@@ -136,8 +136,11 @@ def train(cfg: TrainConfig) -> int:
                 opt.zero_grad(set_to_none=True)
                 loss_value = loss.item()
                 span.loss = loss_value
-                if cfg.min_step_seconds > 0:  # every rank alike, so nobody is a straggler
-                    time.sleep(max(0.0, cfg.min_step_seconds - (time.perf_counter() - t0)))
+                if cfg.step_sleep > 0:
+                    # The same sleep on every rank, not "the rest of S": a deadline
+                    # from each rank's own step start would keep a rank that
+                    # started late arriving last at every later step (a straggler).
+                    time.sleep(cfg.step_sleep)
             step_times.append(time.perf_counter() - t0)
             if (
                 rank == 0
