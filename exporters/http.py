@@ -80,6 +80,10 @@ class _Server(ThreadingWSGIServer):
 
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
+    # socketserver's default listen backlog is 5: a burst of clients beyond it
+    # waits out TCP's 1 s SYN retry (300 at once took 43 s to connect, most of
+    # it in retries) before it can even be refused.
+    request_queue_size = 128
 
     def server_activate(self) -> None:
         self.slots = threading.BoundedSemaphore(self.max_connections)
