@@ -220,8 +220,16 @@ def test_a_late_nodes_backlog_says_every_one_of_its_ranks_lives() -> None:
             CS.digest_step(
                 s,
                 {r: _colls(rng, r, s, [2 * s, 2 * s + 1], 0.0) for r in ranks},
-                {r: {"kind": "step", "rank": r, "step": s, "start": 100.0 + s,
-                     "end": 100.5 + s + r / 100} for r in ranks},  # fmt: skip
+                {
+                    r: {
+                        "kind": "step",
+                        "rank": r,
+                        "step": s,
+                        "start": 100.0 + s,
+                        "end": 100.5 + s + r / 100,
+                    }
+                    for r in ranks
+                },
             )
             for s in steps
         )
