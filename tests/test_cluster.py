@@ -212,6 +212,42 @@ def test_a_dark_nodes_ranks_are_not_called_lost() -> None:
     assert "rank_lost" in {v["cause"] for v in Pipeline().feed_many(gone)}
 
 
+def test_a_late_nodes_backlog_says_every_one_of_its_ranks_lives() -> None:
+    rng = random.Random(5)
+
+    def window(node: str, ranks: list[int], steps: range, seq: int) -> CS.Window:
+        digests = tuple(
+            CS.digest_step(
+                s,
+                {r: _colls(rng, r, s, [2 * s, 2 * s + 1], 0.0) for r in ranks},
+                {
+                    r: {
+                        "kind": "step",
+                        "rank": r,
+                        "step": s,
+                        "start": 100.0 + s,
+                        "end": 100.5 + s + r / 100,
+                    }
+                    for r in ranks
+                },
+            )
+            for s in steps
+        )
+        return CS.Window(node, seq, 100.5 + steps[-1] + 0.1, (), digests, (), ())
+
+    det = LeaderDetector()
+    det.ingest([window("a", [0, 1], range(0, 6), 0)])
+    corr = det.corr
+    assert corr.summarised >= 3
+    # Node b's daemon reached the store late: its whole backlog in one window,
+    # steps the leader already judged. Too late to judge, but each of its
+    # ranks (not only the digest's first) lives and got to step 3.
+    det.ingest([window("b", [2, 3], range(0, 4), 0)])
+    for r in (2, 3):
+        rs = corr.ranks[r]
+        assert (rs.done_step, rs.first_step, rs.last_t) == (3, 0, 103.5 + r / 100)
+
+
 def test_election_rank_zeros_node_leads_then_the_next_by_lowest_rank() -> None:
     roster = [(4, "b"), (0, "a"), (8, "c")]
     assert leader_of(roster, []) == "a"
