@@ -365,6 +365,13 @@ class SockDiag:
         try:
             sock = open_in_namespace(path, DESTROY_GROUPS)
         except OSError as e:  # EPERM without CAP_NET_ADMIN: closing sockets' last figures lost
+            if (path or "self") not in self.listen_errors:
+                log.warning(
+                    "no sock_diag destroy listener in %s (%s): retransmits of sockets "
+                    "that close between polls are lost",
+                    path or "our namespace",
+                    e,
+                )
             self.listen_errors[path or "self"] = str(e)
             return None
         self.listen_errors.pop(path or "self", None)
