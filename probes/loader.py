@@ -69,6 +69,7 @@ CONN_POLLS = 3
 #: the tracepoint that names sockets older than the probes; attached only
 #: while one waits for a name (tcp_flows.c)
 NAMING_TRACEPOINT = "tcp:tcp_probe"
+TCP_CLOSE = 7  # the state of a socket in a destroy message
 
 
 class ProbePermissionError(RuntimeError):
@@ -214,6 +215,8 @@ class ProbeSet:
         self.lost_orphan_bytes = 0
         self._devstats: DeviceStats | None = None
         self._sockdiag: SockDiag | None = None
+        # (namespace, cookie) -> the process a live socket's figures went to
+        self._cookie_owner: dict[tuple[tuple[int, int], int], int] = {}
         self._owners = SocketOwners(self.config.proc_root)
         self._naming_on = False  # NAMING_TRACEPOINT attached now
         self.naming_polls = 0  # polls it stayed attached for (bench, tests)
@@ -622,31 +625,44 @@ class ProbeSet:
         read: list[tuple[tuple[int, int], DiagSocket]],
     ) -> None:
         """srtt, cwnd and the send window now, and the retransmitted segments
-        since the last poll, from the kernel's tcp_info (probes/sockdiag.py).
-        A connection that only retransmitted goes to the process that moved
-        its bytes, else the one the kernel saw open it, else the registered
-        process holding its inode."""
+        since the last poll, from the kernel's tcp_info (probes/sockdiag.py);
+        sockets destroyed since the last poll add their last retransmits
+        (the destroy broadcast), and carry no srtt. A connection that only
+        retransmitted goes to the process that moved its bytes, else the one
+        it went to at an earlier poll, else the one the kernel saw open it,
+        else the registered process holding its inode."""
         if self._sockdiag is None:
             return
         retrans = self._sockdiag.retrans_delta(read)
+        destroyed = self._sockdiag.destroyed
         self._owners.round += 1
         info: dict[R.Tuple, DiagSocket] = {}
-        for ns, sk in read:
+        cache = self._cookie_owner
+        for ns, sk in [*read, *destroyed]:
             tup = R.make_tuple(sk.family, sk.lport, sk.rport, sk.laddr, sk.raddr)
-            info[tup] = sk
+            live = sk.state != TCP_CLOSE
+            if live:
+                info[tup] = sk
             n = retrans.get((ns, sk.cookie), 0)
-            if not n:
-                continue
             owner = owners.get(tup)
-            if owner is None:
-                known = by_tuple.get(tup)
-                owner = int(known.tgid) if known is not None else 0
+            if owner is None and n:
+                owner = cache.get((ns, sk.cookie))
+                if owner is None:
+                    known = by_tuple.get(tup)
+                    owner = int(known.tgid) if known is not None else 0
                 if not owner:
                     owner = self._owners.owner(sk.inode, self._owner_candidates())
                 if self.config.pid_filter and owner not in self._registered:
                     continue
                 owners[tup] = owner
-            flows.setdefault((owner, tup), R.FlowFigures()).retrans += n
+            if owner and live:
+                cache[(ns, sk.cookie)] = owner
+            elif not live:
+                cache.pop((ns, sk.cookie), None)
+            if n:
+                flows.setdefault((owner or 0, tup), R.FlowFigures()).retrans += n
+        while len(cache) > self.config.max_socks:  # oldest first
+            del cache[next(iter(cache))]
         for (_, tup), fig in flows.items():
             now = info.get(tup)
             if now is not None:
@@ -737,12 +753,15 @@ class ProbeSet:
         before a poll read them), ``tracepoint_miss`` (program runs the kernel
         skipped), ``sock_diag_read_error`` (namespace reads of tcp_info that
         failed: that poll's srtt/cwnd of the namespace, and the retransmits
-        since its last read, are lost). A source added here is exported with
-        no other change."""
+        since its last read, are lost), ``sock_diag_destroy_overflow`` (times
+        a destroy listener's buffer overflowed: closing sockets' last
+        retransmits lost). A source added here is exported with no other
+        change."""
         return {
             "map_eviction": sum(self.evictions.evicted().values()),
             "tracepoint_miss": sum(self.missed_events().values()),
             "sock_diag_read_error": self._sockdiag.read_errors if self._sockdiag else 0,
+            "sock_diag_destroy_overflow": self._sockdiag.destroy_overflows if self._sockdiag else 0,
         }
 
     def stats(self) -> dict[str, Any]:

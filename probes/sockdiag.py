@@ -11,9 +11,15 @@ BENCHMARKS.md). ``tcpi_total_retrans`` counts retransmitted *segments*, the
 unit of the kernel's ``TcpRetransSegs``, where ``tcp:tcp_retransmit_skb`` fires
 once per skb (a GSO skb is many segments).
 
-What this view cannot see: a socket that opened and closed between two
-reads (its last retransmits are not counted; its bytes still are, by the
-byte tracepoints), and figures between reads (srtt is the value at the read).
+Sockets that close between two reads are not lost: in each namespace read
+a second sock_diag socket listens on the kernel's destroy broadcast
+(multicast groups ``SKNLGRP_INET_TCP_DESTROY`` and ``SKNLGRP_INET6_TCP_DESTROY``,
+needs ``CAP_NET_ADMIN``), which hands out every TCP socket's final
+``tcp_info`` as the kernel frees it, a socket born and gone between two reads
+included. Its retransmits since the last read count at the next read. What
+this view still cannot see: figures between reads (srtt is the value at the
+read), and destroy messages the kernel dropped because the listener's buffer
+was full (counted in ``destroy_overflows``).
 
 Namespaces read: our own, every named one under ``netns_dir`` and those of
 the processes the caller names (a rank may live in a namespace nobody
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import socket
@@ -47,6 +54,14 @@ NLMSG_ERROR = 2
 NLMSG_DONE = 3
 INET_DIAG_INFO = 2
 CLONE_NEWNET = 0x40000000
+#: sock_diag multicast groups (linux/sock_diag.h): TCP sockets destroyed, v4 and v6
+SKNLGRP_INET_TCP_DESTROY, SKNLGRP_INET6_TCP_DESTROY = 1, 3
+DESTROY_GROUPS = (1 << (SKNLGRP_INET_TCP_DESTROY - 1)) | (1 << (SKNLGRP_INET6_TCP_DESTROY - 1))
+SO_RCVBUFFORCE = 33
+DESTROY_RCVBUF = 4 << 20
+#: a socket gone from the dump (closed, its destroy message not read yet, or
+#: still held in CLOSE by its process) keeps its last figures this many reads
+VANISHED_READS = 600
 
 #: states whose sockets carry tcp_info: all but LISTEN, TIME_WAIT, CLOSE,
 #: SYN_RECV (request socks) and NEW_SYN_RECV.
@@ -64,6 +79,7 @@ _NLA = struct.Struct("=HH")
 # struct tcp_info offsets (UAPI, fields only ever appended).
 _TI_RTT, _TI_SND_CWND, _TI_TOTAL_RETRANS = 68, 80, 100
 _TI_BYTES_ACKED, _TI_BYTES_RECEIVED, _TI_SND_WND = 120, 128, 228
+_TI_BYTES_SENT, _TI_BYTES_RETRANS = 200, 208
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,11 @@ class DiagSocket:
     bytes_acked: int
     bytes_received: int
     snd_wnd: int | None  # None on kernels whose tcp_info predates the field
+    #: payload bytes sent, retransmits included, and those retransmitted
+    #: (tcpi_bytes_sent, tcpi_bytes_retrans: Linux 4.19+; 0 before)
+    bytes_sent: int = 0
+    bytes_retrans: int = 0
+    rqueue: int = 0  # rcv_nxt - copied_seq: received, not read by the process (FIN included)
 
 
 def request(family: int, seq: int = 1) -> bytes:
@@ -126,6 +147,7 @@ def _decode(payload: bytes) -> DiagSocket | None:
     sport, dport = struct.unpack_from(">HH", payload, 4)
     src, dst = payload[8:24], payload[24:40]
     cookie = struct.unpack_from("=Q", payload, 44)[0]
+    rqueue = struct.unpack_from("=I", payload, 56)[0]
     uid, inode = struct.unpack_from("=II", payload, 64)
     info = b""
     off = 72
@@ -155,6 +177,9 @@ def _decode(payload: bytes) -> DiagSocket | None:
         bytes_acked=_u64(info, _TI_BYTES_ACKED),
         bytes_received=_u64(info, _TI_BYTES_RECEIVED),
         snd_wnd=_u32(info, _TI_SND_WND),
+        bytes_sent=_u64(info, _TI_BYTES_SENT),
+        bytes_retrans=_u64(info, _TI_BYTES_RETRANS),
+        rqueue=rqueue,
     )
 
 
@@ -197,6 +222,25 @@ def dump(
     return out
 
 
+def drain_destroyed(sock: socket.socket) -> tuple[list[DiagSocket], int]:
+    """The destroyed sockets queued on a ``DESTROY_GROUPS`` listener (non-
+    blocking), and how often the kernel said it dropped some (ENOBUFS: the
+    buffer was full)."""
+    out: list[DiagSocket] = []
+    overflows = 0
+    while True:
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return out, overflows
+        except OSError as e:
+            if e.errno != errno.ENOBUFS:
+                raise
+            overflows += 1
+            continue
+        out += parse_dump(data)[0]
+
+
 _libc: ctypes.CDLL | None = None
 
 
@@ -209,13 +253,29 @@ def _setns(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def open_in_namespace(ns_path: str | None) -> socket.socket:
-    """A sock_diag socket reading the namespace at ``ns_path`` (None: ours).
+def _diag_socket(groups: int) -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+    if groups:
+        try:
+            with contextlib.suppress(OSError):  # a bigger buffer needs CAP_NET_ADMIN too
+                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, DESTROY_RCVBUF)
+            sock.bind((0, groups))  # EPERM without CAP_NET_ADMIN
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+    return sock
+
+
+def open_in_namespace(ns_path: str | None, groups: int = 0) -> socket.socket:
+    """A sock_diag socket reading the namespace at ``ns_path`` (None: ours);
+    ``groups``: multicast groups to join (``DESTROY_GROUPS``: a non-blocking
+    listener for the namespace's destroyed TCP sockets).
 
     The thread enters that namespace for the socket() call only and always
     returns to its own, even on error."""
     if ns_path is None:
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+        return _diag_socket(groups)
     target = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
     home = os.open(
         f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY | os.O_CLOEXEC
@@ -223,7 +283,7 @@ def open_in_namespace(ns_path: str | None) -> socket.socket:
     try:
         _setns(target)
         try:
-            return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+            return _diag_socket(groups)
         finally:
             _setns(home)
     finally:
@@ -234,7 +294,9 @@ def open_in_namespace(ns_path: str | None) -> socket.socket:
 class SockDiag:
     """Reads every TCP socket's tcp_info in the namespaces named above.
 
-    ``read(pids)`` returns every socket now, each tagged with its namespace;
+    ``read(pids)`` returns every socket now, each tagged with its namespace,
+    and leaves in ``destroyed`` the sockets the kernel freed since the last
+    read (their final tcp_info, from the destroy broadcast);
     ``retrans_delta()`` turns consecutive reads into per-socket retransmit
     deltas. ``close()`` closes the sockets (idempotent)."""
 
@@ -242,7 +304,14 @@ class SockDiag:
         self.netns_dir = netns_dir
         self.proc_root = proc_root
         self._socks: dict[tuple[int, int], socket.socket] = {}
+        # ns -> destroy listener (None: it could not be opened, e.g. no CAP_NET_ADMIN)
+        self._listeners: dict[tuple[int, int], socket.socket | None] = {}
         self._prev: dict[tuple[int, int], dict[int, int]] = {}  # ns -> cookie -> total_retrans
+        # ns -> cookie -> reads since a known socket left the dump undestroyed
+        self._vanished: dict[tuple[int, int], dict[int, int]] = {}
+        self.destroyed: list[tuple[tuple[int, int], DiagSocket]] = []  # since the last read
+        self.destroy_overflows = 0  # ENOBUFS on a destroy listener: destroy messages lost
+        self.listen_errors: dict[str, str] = {}  # namespace path -> why it has no listener
         self.last_read: set[tuple[int, int]] = set()  # namespaces the last read() read
         self.errors: dict[str, str] = {}  # namespace path -> last read error
         self.read_errors = 0  # namespace reads that failed (their figures lost)
@@ -259,6 +328,7 @@ class SockDiag:
     def read(self, pids: Iterable[int] = ()) -> list[tuple[tuple[int, int], DiagSocket]]:
         """(namespace id, socket) for every TCP socket now."""
         out: list[tuple[tuple[int, int], DiagSocket]] = []
+        gone: list[tuple[tuple[int, int], DiagSocket]] = []
         read: set[tuple[int, int]] = set()
         wanted: dict[tuple[int, int], str | None] = {}
         for path in self._paths(pids):
@@ -274,7 +344,11 @@ class SockDiag:
                 sock = self._socks.get(ident)
                 if sock is None:
                     sock = self._socks[ident] = open_in_namespace(path)
+                    self._listeners[ident] = self._open_listener(path)
                 got = dump(sock)
+                # after the dump: a socket freed in between is in both, and
+                # the destroy message (the later figures) wins
+                gone += [(ident, sk) for sk in self._drain(ident)]
             except OSError as e:  # namespace vanished mid-read, or no sock_diag
                 self.errors[path or "self"] = str(e)
                 self.read_errors += 1
@@ -284,38 +358,96 @@ class SockDiag:
             out += [(ident, sk) for sk in got]
             read.add(ident)
         self.last_read = read
+        self.destroyed = gone
         return out
+
+    def _open_listener(self, path: str | None) -> socket.socket | None:
+        try:
+            sock = open_in_namespace(path, DESTROY_GROUPS)
+        except OSError as e:  # EPERM without CAP_NET_ADMIN: closing sockets' last figures lost
+            if (path or "self") not in self.listen_errors:
+                log.warning(
+                    "no sock_diag destroy listener in %s (%s): retransmits of sockets "
+                    "that close between polls are lost",
+                    path or "our namespace",
+                    e,
+                )
+            self.listen_errors[path or "self"] = str(e)
+            return None
+        self.listen_errors.pop(path or "self", None)
+        return sock
+
+    def _drain(self, ident: tuple[int, int]) -> list[DiagSocket]:
+        sock = self._listeners.get(ident)
+        if sock is None:
+            return []
+        got, overflows = drain_destroyed(sock)
+        self.destroy_overflows += overflows
+        return got
 
     def retrans_delta(
         self,
         read: list[tuple[tuple[int, int], DiagSocket]],
         namespaces: set[tuple[int, int]] | None = None,
+        destroyed: list[tuple[tuple[int, int], DiagSocket]] | None = None,
     ) -> dict[tuple[tuple[int, int], int], int]:
         """(namespace, cookie) -> segments retransmitted since the namespace
         was last read. ``namespaces``: those this read covered (default
-        ``last_read``); one not covered keeps its figures for the next. A
-        socket first seen in a namespace read before is new: all its
-        retransmits count; the first read of a namespace is its baseline
-        (its sockets may be older than the probes)."""
+        ``last_read``); one not covered keeps its figures for the next.
+        ``destroyed``: the sockets freed since (default ``destroyed``); a
+        destroyed socket counts up to its final figure, and once. A socket
+        first seen in a namespace read before is new: all its retransmits
+        count (one born and destroyed between two reads too); the first read
+        of a namespace is its baseline (its sockets may be older than the
+        probes). A socket that left the dump without a destroy message yet
+        keeps its last figure for ``VANISHED_READS`` reads."""
         covered = self.last_read if namespaces is None else namespaces
+        gone_list = self.destroyed if destroyed is None else destroyed
         cur: dict[tuple[int, int], dict[int, int]] = {ns: {} for ns in covered}
         for ns, sk in read:
             cur.setdefault(ns, {})[sk.cookie] = sk.total_retrans
+        gone: dict[tuple[int, int], dict[int, int]] = {}
+        for ns, sk in gone_list:
+            if ns in cur:
+                g = gone.setdefault(ns, {})
+                g[sk.cookie] = max(g.get(sk.cookie, 0), sk.total_retrans)
         out: dict[tuple[tuple[int, int], int], int] = {}
         for ns, socks in cur.items():
             prev = self._prev.get(ns)
-            for cookie, total in socks.items():
-                before = total if prev is None else prev.get(cookie, 0)
+            freed = gone.get(ns, {})
+            if prev is None:  # baseline: nothing counts, freed sockets are forgotten
+                self._prev[ns] = {c: t for c, t in socks.items() if c not in freed}
+                self._vanished[ns] = {}
+                continue
+            for cookie, total in {**socks, **freed}.items():
+                total = max(total, socks.get(cookie, 0))
+                before = prev.get(cookie, 0)
                 if total > before:
                     out[(ns, cookie)] = total - before
-            self._prev[ns] = socks
+            ages = self._vanished.setdefault(ns, {})
+            nxt = {c: t for c, t in socks.items() if c not in freed}
+            for cookie, total in prev.items():
+                if cookie in nxt or cookie in freed or cookie in socks:
+                    ages.pop(cookie, None)
+                    continue
+                age = ages.get(cookie, 0) + 1
+                if age <= VANISHED_READS:
+                    nxt[cookie] = total
+                    ages[cookie] = age
+                else:
+                    ages.pop(cookie, None)
+            for cookie in list(ages):
+                if cookie not in nxt:
+                    del ages[cookie]
+            self._prev[ns] = nxt
         return out
 
     def _drop(self, ident: tuple[int, int]) -> None:
         self._prev.pop(ident, None)  # read again, it starts from a baseline
-        sock = self._socks.pop(ident, None)
-        if sock is not None:
-            sock.close()
+        self._vanished.pop(ident, None)
+        for sock in (self._socks.pop(ident, None), self._listeners.pop(ident, None)):
+            if sock is not None:
+                sock.close()
 
     def close(self) -> None:
         for ident in list(self._socks):

@@ -9,7 +9,9 @@ byte count. Talks to the test over stdin/stdout, one line per step.
   probe_peer.py sink ADDR PORT         accept, read until EOF
   probe_peer.py stream ADDR PORT [--cubic]
                                        connect, "port P", send until stdin closes
-  probe_peer.py short ADDR PORT K      K connections, the i-th sends 1000+i bytes
+  probe_peer.py short ADDR PORT K [SIZE]
+                                       K connections, the i-th sends SIZE+i bytes (1000)
+  probe_peer.py sinks ADDR PORT K      accept K connections, read each until EOF, "done"
 """
 
 from __future__ import annotations
@@ -39,6 +41,19 @@ def recv_exact(conn: socket.socket, n: int) -> int:
 def main(argv: list[str]) -> int:
     mode, addr, port = argv[0], argv[1], int(argv[2])
     fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    if mode == "sinks":
+        srv = socket.socket(fam, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((addr, port))
+        srv.listen(64)
+        say(f"listening {srv.getsockname()[1]}")
+        for _ in range(int(argv[3])):
+            conn, _ = srv.accept()
+            while conn.recv(1 << 20):
+                pass
+            conn.close()
+        say("done")
+        return 0
     if mode in ("recv", "sink"):
         srv = socket.socket(fam, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -55,9 +70,10 @@ def main(argv: list[str]) -> int:
         conn.close()
         return 0
     if mode == "short":
+        size = int(argv[4]) if len(argv) > 4 else 1000
         for i in range(int(argv[3])):
             c = socket.create_connection((addr, port))
-            c.sendall(b"s" * (1000 + i))
+            c.sendall(b"s" * (size + i))
             c.close()
         say("done")
         return 0

@@ -225,3 +225,33 @@ def test_lossy_link_devices_and_no_missed_events(lossy_run: dict) -> None:
 
 def test_lossy_link_retransmits_equal_tcpretranssegs(lossy_run: dict) -> None:
     assert _retrans(lossy_run) == lossy_run["want_retrans"]
+
+
+def test_connections_closed_between_polls_keep_their_retransmits(lab: ProbeSet) -> None:
+    """20 connections over the lossy link open, retransmit and close between
+    two polls: sock_diag never sees them alive, the destroy broadcast hands
+    out their final tcp_info, and the retransmits equal TcpRetransSegs."""
+    k, size = 20, 200_000
+    with shaped(DEV_A, NS_A, "100mbit"), lossy(DEV_B, NS_B, 0.01):
+        srv = Peer("sinks", ADDR_B, str(PORT + 3), str(k), netns=NS_B)
+        cl = None
+        try:
+            srv.expect("listening")
+            lab.poll()
+            before = nstat("TcpRetransSegs", NS_A)
+            cl = Peer("short", ADDR_B, str(PORT + 3), str(k), str(size), netns=NS_A)
+            cl.expect("done")
+            srv.expect("done")
+            time.sleep(0.3)  # the kernel frees closed sockets from a work queue
+            want = nstat("TcpRetransSegs", NS_A) - before
+            recs = lab.poll()
+        finally:
+            for p in (cl, srv):
+                if p:
+                    p.close()
+    server = f"{ADDR_B}:{PORT + 3}"
+    flows = [r for r in recs if r["kind"] == "flow" and r["dst"] == server]
+    assert want > 0, "the lossy link lost nothing: the oracle proves nothing"
+    assert sum(r["retrans"] for r in flows) == want
+    assert all("srtt_us" not in r for r in flows)  # closed: no path figures
+    assert sorted(r["tx_bytes"] for r in flows) == [size + i for i in range(k)]

@@ -130,3 +130,46 @@ def test_socket_owner_scans_only_the_given_pids_once_per_poll(tmp_path: Path) ->
     owners.round += 1
     assert owners.owner(777, [100, 200]) == 200
     assert owners.owner(0, [100]) == 0
+
+
+def test_destroyed_sockets_count_their_last_retransmits_once() -> None:
+    diag = D.SockDiag(netns_dir=None)
+    ns = (1, 10)
+    assert diag.retrans_delta([(ns, _Sk(1, 5)), (ns, _Sk(2, 1))], {ns}, []) == {}  # baseline
+    # socket 1 closed after retransmitting 2 more; socket 9 was born and died
+    # between two reads (never dumped): all its retransmits count.
+    got = diag.retrans_delta([(ns, _Sk(2, 1))], {ns}, [(ns, _Sk(1, 7)), (ns, _Sk(9, 3))])
+    assert got == {(ns, 1): 2, (ns, 9): 3}
+    # socket 2 left the dump at this read (closing); its destroy message comes
+    # one read later and counts from the figure it had, not from zero.
+    assert diag.retrans_delta([], {ns}, []) == {}
+    assert diag.retrans_delta([], {ns}, [(ns, _Sk(2, 4))]) == {(ns, 2): 3}
+    # freed after the dump of the same read: in both, counted once, up to the final figure
+    assert diag.retrans_delta([(ns, _Sk(5, 2))], {ns}, []) == {(ns, 5): 2}
+    assert diag.retrans_delta([(ns, _Sk(5, 3))], {ns}, [(ns, _Sk(5, 4))]) == {(ns, 5): 2}
+    assert diag.retrans_delta([], {ns}, [(ns, _Sk(5, 4))]) == {(ns, 5): 4}  # a later copy: new
+
+
+def test_destroyed_sockets_of_a_namespace_first_read_are_its_baseline() -> None:
+    diag = D.SockDiag(netns_dir=None)
+    ns = (1, 10)
+    assert diag.retrans_delta([(ns, _Sk(1, 5))], {ns}, [(ns, _Sk(3, 9))]) == {}
+    assert diag.retrans_delta([(ns, _Sk(1, 6))], {ns}, []) == {(ns, 1): 1}
+
+
+def test_destroy_listener_drain_decodes_every_queued_message() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    b.setblocking(False)
+    info = bytearray(_info(240, retrans=4))
+    struct.pack_into("=QQ", info, 200, 5000, 1000)  # bytes_sent, bytes_retrans
+    try:
+        lo = socket.inet_aton("127.0.0.1") + b"\0" * 12
+        a.send(_message(socket.AF_INET, lo, lo, bytes(info), cookie=11))
+        a.send(_message(socket.AF_INET, lo, lo, _info(240), cookie=12))
+        got, overflows = D.drain_destroyed(b)
+    finally:
+        a.close()
+        b.close()
+    assert overflows == 0
+    assert [(sk.cookie, sk.total_retrans) for sk in got] == [(11, 4), (12, 3)]
+    assert (got[0].bytes_sent, got[0].bytes_retrans) == (5000, 1000)
