@@ -703,6 +703,33 @@ class Correlator:
         if step > self.job_done:
             self.job_done = step
 
+    def heard_late(self, rank: Any, step: Any, end: Any, done: bool) -> None:
+        """A record for a step already summarised (``done``: a ``step`` record,
+        else a ``coll``): too late for the summaries, but its rank is alive.
+
+        Its rank counts as heard from (``last_t``) and as having started and
+        reached that step, so the next steps wait for it. Without this a rank
+        whose records arrive after the others' step records (an emitter a
+        step behind, a relay) had every record dropped as late before it
+        ever counted as started, so no step waited for it and it was flagged
+        ``rank_lost`` while it sent every step. Only an announced rank, and
+        only well-typed fields (the ordinary path reports the rest).
+        """
+        rs = self.ranks.get(rank) if type(rank) is int else None
+        if rs is None or type(step) is not int or type(end) not in (int, float):
+            return
+        if end > rs.last_t:
+            rs.last_t = end
+        if rs.first_step is None or step < rs.first_step:
+            rs.first_step = step
+        if rs.done_step < 0 and rs.max_coll_step < 0:
+            self._busy(rs)
+        if done:
+            if step > rs.done_step:
+                rs.done_step = step
+        elif step > rs.max_coll_step:
+            rs.max_coll_step = step
+
     def add_coll(self, rec: Record) -> Any:
         """File a ``coll`` record under its rank and step; return its ``end``.
 
@@ -795,6 +822,7 @@ class Correlator:
         if step <= self.summarised:
             self.late_records += 1
             self._colls_done += 1
+            self.heard_late(rank, step, end, done=False)
             return -math.inf
         step = _as_index("step", step)
         rs = self.ranks.get(rank)

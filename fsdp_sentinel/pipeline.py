@@ -36,7 +36,7 @@ from fsdp_sentinel.stream import STEP_AHEAD, STEP_KINDS, TIME_FIELD, StreamConfi
 from fsdp_sentinel.trace import KEY
 
 # Looked up with the parser's own key objects on the hot path (see trace.KEY).
-_KIND, _END, _STEP = KEY["kind"], KEY["end"], KEY["step"]
+_KIND, _END, _STEP, _RANK = KEY["kind"], KEY["end"], KEY["step"], KEY["rank"]
 #: Each kind's stream time field but coll's, for the stream guard's fast check.
 _TIME_OF = {k: KEY[f] for k, f in TIME_FIELD.items() if k != "coll"}
 
@@ -444,6 +444,7 @@ class Pipeline:
         step = rec[_STEP]
         if step <= self.corr.summarised:
             self._late += 1
+            self.corr.heard_late(rec[_RANK], step, rec[_END], done=True)
             return []
         rs, step = self.corr.add_step(rec)
         t = float(rec[_END])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -732,3 +733,56 @@ def fleet_job(ranks: int, steps: int = 20) -> list[Record]:
     from fsdp_sentinel.trace import record_time
 
     return sorted([*recs, *verdicts], key=record_time)
+
+
+def load_job(
+    ranks: int,
+    steps: int,
+    colls: int,
+    t0: float,
+    rate: float,
+    *,
+    order: str = "time",
+    silent: tuple[int, int] | None = None,
+) -> Iterator[Record]:
+    """A clean job's hook records made on the fly, for load (``bench/load``).
+
+    Every rank announces itself at ``t0``; then each step (``rate`` a second)
+    each rank sends ``colls`` collectives (all-gathers, then reduce-scatters,
+    100 MiB each) and its ``step`` record, the ranks a fraction of a ms apart.
+    ``order``: ``"time"``, each step's records in the order they end (how a
+    real job's records reach the daemon: each is sent when it ends);
+    ``"rank"``, each rank's whole step at once, rank 0 first (rank 0's step
+    record then arrives before the collectives the other ranks finished up
+    to 45 ms earlier, as if their emitters ran a step behind).
+    ``silent`` = (rank, step): that rank sends nothing from that step on.
+    """
+    if order not in ("time", "rank"):
+        raise ValueError(f"order {order!r}: 'time' or 'rank'")
+    dt = 1.0 / rate
+    for r in range(ranks):
+        yield {"kind": "rank", "t": t0, "rank": r, "world_size": ranks, "host": f"load-h{r // 8}",
+               "pid": 20000 + r, "addrs": [f"198.18.{r // 250}.{r % 250 + 1}"], "job": "load"}  # fmt: skip
+    per = dt * 0.8 / colls
+    for s in range(steps):
+        start = t0 + s * dt
+        recs: list[Record] = []
+        for r in range(ranks):
+            if silent is not None and r == silent[0] and s >= silent[1]:
+                continue
+            skew = (r % 7) * 1e-4  # ranks a fraction of a ms apart
+            for c in range(colls):
+                issue = start + skew + c * per
+                op = "all_gather" if c < colls // 2 else "reduce_scatter"
+                recs.append({"kind": "coll", "rank": r, "step": s, "seq": s * colls + c, "op": op,
+                             "bytes": 100 << 20, "issue": round(issue, 6),
+                             "end": round(issue + per * 0.6, 6)})  # fmt: skip
+            recs.append({"kind": "step", "rank": r, "step": s, "start": round(start + skew, 6),
+                         "end": round(start + skew + dt * 0.95, 6)})  # fmt: skip
+        if order == "time":
+            recs.sort(key=_end_of)
+        yield from recs
+
+
+def _end_of(rec: Record) -> float:
+    return float(rec["end"])

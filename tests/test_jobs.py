@@ -102,14 +102,13 @@ def test_a_second_job_after_a_first_is_judged_right(stamp: bool, ids: bool) -> N
         [("first", 1), ("second", 1)] if ids else [("", 1), ("", 2)]
     )
     # One pipeline for both is the failure the issue reports: the second
-    # job's collectives are dropped as late and its straggler is missed.
+    # job's first steps (numbered from 0 again) are dropped as late. (Its
+    # ranks used to be called lost too; a late record now counts as its rank
+    # heard from, tests/test_late_rank.py, so the straggler in its later
+    # steps is found even so: the records lost are the failure left.)
     one = Pipeline()
-    mixed = one.feed_many(stream)
-    j1 = judge(mixed, truth)
+    one.feed_many(stream)
     assert one.stats["late"] > 100
-    assert (
-        j1.missed or j1.cause_ok < len(j1.found) or [v for v in mixed if v["cause"] == "rank_lost"]
-    )
 
 
 def concatenated(first: str, second: str) -> tuple[list[Record], dict[str, Any]]:
