@@ -245,7 +245,10 @@ def test_a_late_nodes_backlog_says_every_one_of_its_ranks_lives() -> None:
     det.ingest([window("b", [2, 3], range(0, 4), 0)])
     for r in (2, 3):
         rs = corr.ranks[r]
-        assert (rs.done_step, rs.first_step, rs.last_t) == (3, 0, 103.5 + r / 100)
+        assert (rs.done_step, rs.first_step) == (3, 0)
+        # Heard from at its step 3 record's end at least (a late collective of
+        # it may have ended later: heard_late counts that too).
+        assert 103.5 + r / 100 <= rs.last_t <= 103.6 + r / 100
 
 
 def test_election_rank_zeros_node_leads_then_the_next_by_lowest_rank() -> None:

@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
     "replay": 6,
     "ingest": 5,
     "exporters": 5,
-    "report": 5,
+    "report": 6,
     "lab": 5,
     "remediate": 5,
     "live": 6,
