@@ -243,3 +243,50 @@ def test_the_daemons_own_records_pass_the_schema_so_its_frames_are_marked(
         w.write_many(own)
     assert w.unchecked == 0 and marked_frames(out) >= 1
     assert list(read_trace(out))[1:] == json.loads(json.dumps(own))
+
+
+def test_a_marked_frame_is_given_in_pieces_and_one_that_fails_to_parse_is_checked_from_there(
+    tmp_path: Path,
+) -> None:
+    from fsdp_sentinel.trace import _mark, header_token
+
+    path = tmp_path / "t.jsonl.zst"
+    piece = TraceReader.PIECE
+    n = 5 + 3 * piece + 100
+    now = [0.0]
+    with TraceWriter(path, sync_interval=1.0, clock=lambda: now[0]) as w:
+        for i in range(n):  # a first frame (the header, steps 0-5: the sync), then the rest
+            w.write(step(i))
+            if i == 4:
+                now[0] += 1.0
+    sizes = [len(b) for b in TraceReader(path).batches()]
+    assert sizes == [7] + [piece] * 3 + [99]  # the first frame is checked: it has the header
+    assert list(read_trace(path))[1:] == [step(i) for i in range(n)]
+
+    # The second frame behind a mark that holds (the file's token, the frame's
+    # own length and checksum), with a line no JSON parser takes in its third
+    # piece and a valid line with a bad value after it: what our writer cannot write.
+    data = path.read_bytes()
+    fs = frames(data)
+    assert [m for _, _, m in fs] == [True, False, True, False]
+    (moff, _, _), (off, end, _) = fs[2], fs[3]
+    token = header_token(next(read_trace(path)))
+    assert token is not None
+    lines = zstandard.ZstdDecompressor().decompress(data[off:end]).splitlines(keepends=True)
+    bad_json, bad_value = 7 + 2 * piece + 10, 7 + 3 * piece + 5  # line numbers in the file
+    lines[bad_json - 8] = b'{"kind": "step", "rank": \n'
+    lines[bad_value - 8] = BAD
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(b"".join(lines))
+    forged = tmp_path / "forged.jsonl.zst"
+    forged.write_bytes(data[:moff] + _mark(token, frame) + frame + data[end:])
+    assert marked_frames(forged) == 2  # still vouched for: only the parse can tell
+
+    lenient = TraceReader(forged, strict=False)
+    recs = list(lenient)
+    assert lenient.skipped_lines == [bad_json, bad_value]  # the rest checked line by line
+    assert recs[1:] == [step(i) for i in range(n) if i + 2 not in (bad_json, bad_value)]
+    given: list[dict] = []
+    with pytest.raises(TraceError, match=rf"forged\.jsonl\.zst:{bad_json}: invalid JSON"):
+        for b in TraceReader(forged).batches():
+            given.extend(b)
+    assert given[1:] == [step(i) for i in range(bad_json - 2)]  # what came before it
