@@ -30,7 +30,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from fsdp_sentinel import __version__, buckets
-from fsdp_sentinel.exporters.sanitize import sanitize
+from fsdp_sentinel.exporters.sanitize import FOLDED_RANK, OTHER, fold_ranks, sanitize
 from fsdp_sentinel.snapshot import RankView, Snapshot
 
 PREFIX = "fsdp_sentinel_"
@@ -124,7 +124,11 @@ class SentinelCollector(Collector):
 
 
 def _rank_labels(r: RankView) -> list[str]:
-    return [r.job, str(r.rank), r.host]
+    return [r.job, _rank_label(r.rank), r.host]
+
+
+def _rank_label(rank: int | None) -> str:
+    return "" if rank is None else OTHER if rank == FOLDED_RANK else str(rank)
 
 
 def families(snap: Snapshot) -> Iterator[Metric]:
@@ -132,7 +136,7 @@ def families(snap: Snapshot) -> Iterator[Metric]:
 
     The snapshot is sanitised first (``sanitize.py``): no value that reached
     the pipeline can make a scrape fail, or the series grow without bound."""
-    snap = sanitize(snap)
+    snap, folded = fold_ranks(sanitize(snap))
     # Keyed by (job, rank): a node daemon judges several jobs, each with its rank 0.
     ranks = sorted(snap.ranks, key=lambda r: (r.job, r.rank))
     labels = {(r.job, r.rank): _rank_labels(r) for r in ranks}
@@ -141,6 +145,14 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     yield from _network_families(ranks, labels, snap)
     yield from _fabric_families(labels, snap)
     yield from _daemon_families(snap)
+    gauge = _gauge(
+        "rank_series_folded",
+        'Ranks exported together as rank="other" (past the per-rank series cap;'
+        " ranks with an open verdict are always their own).",
+        [],
+    )
+    gauge.add_metric([], float(folded))
+    yield gauge
 
 
 def _step_families(
@@ -284,7 +296,7 @@ def _network_families(
     rank_job = _rank_jobs(labels)
     for p in sorted(snap.peers, key=lambda p: (p.job, p.rank, p.peer_rank)):
         job = p.job or rank_job.get(p.rank, "")
-        lab = [*labels.get((job, p.rank), [job, str(p.rank), ""]), str(p.peer_rank)]
+        lab = [*labels.get((job, p.rank), [job, _rank_label(p.rank), ""]), _rank_label(p.peer_rank)]
         flow_bytes.add_metric([*lab, "tx"], float(p.tx_bytes_total))
         flow_bytes.add_metric([*lab, "rx"], float(p.rx_bytes_total))
         if p.srtt_us is not None:
@@ -330,7 +342,7 @@ def _fabric_families(labels: dict[tuple[str, int], list[str]], snap: Snapshot) -
     )
     rank_job = _rank_jobs(labels)
     for nv in snap.nccl:
-        rank = "" if nv.rank is None else str(nv.rank)
+        rank = _rank_label(nv.rank)
         lab = [nv.job or rank_job.get(nv.rank, ""), rank, nv.host, nv.op]
         calls.add_metric(lab, float(nv.calls_total))
         nbytes.add_metric(lab, float(nv.bytes_total))

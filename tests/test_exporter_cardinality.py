@@ -8,6 +8,7 @@ snapshot's own R, P and O, and the series set must not grow with steps.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_sentinel.exporters.prometheus import families
+from fsdp_sentinel.exporters.sanitize import MAX_RANK_SERIES
 from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.snapshot import Snapshot
 from fsdp_sentinel.synth import Scenario, SlowCompute, generate
@@ -84,3 +86,39 @@ def test_every_family_is_documented() -> None:
     exported = {n for n in exported if n.startswith("fsdp_sentinel_")}
     doc_families = {re.sub(r"_total$", "", n) for n in documented}
     assert exported == doc_families, exported ^ doc_families
+
+
+def test_past_the_rank_cap_the_rest_are_one_other_and_the_sums_hold() -> None:
+    # A real pipeline's snapshot of 8 ranks, made 300 by relabelling (jobs of
+    # thousands of ranks are what the cap is for; the fold only reads views).
+    base = snapshot_of(8, 20)
+    ranks = [dataclasses.replace(base.ranks[i % 8], rank=i) for i in range(300)]
+    flagged = next(r for r in ranks if r.state != "ok" and r.rank >= MAX_RANK_SERIES)
+    peers = [dataclasses.replace(base.peers[i % len(base.peers)], rank=i) for i in range(300)]
+    snap = dataclasses.replace(base, ranks=tuple(ranks), peers=tuple(peers))
+    got = {}
+    values: dict[str, float] = {}
+    for fam in families(snap):
+        for s in fam.samples:
+            got.setdefault(s.name, set()).add(s.labels.get("rank"))
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    kept = got["fsdp_sentinel_wait_seconds_total"]
+    assert len(kept) == MAX_RANK_SERIES and "other" in kept
+    assert str(flagged.rank) in kept  # a rank with an open verdict is always its own
+    assert values["fsdp_sentinel_rank_series_folded"] == 300 - (MAX_RANK_SERIES - 1)
+    # Counters and histograms keep their sums over every rank.
+    assert values["fsdp_sentinel_wait_seconds_total"] == pytest.approx(
+        sum(r.wait_seconds_total for r in ranks)
+    )
+    assert values["fsdp_sentinel_network_bytes_total"] == pytest.approx(
+        sum(r.tx_bytes_total + r.rx_bytes_total for r in ranks)
+    )
+    assert values["fsdp_sentinel_flow_bytes_total"] == pytest.approx(
+        sum(p.tx_bytes_total + p.rx_bytes_total for p in peers)
+    )
+    assert len(got["fsdp_sentinel_flow_bytes_total"]) <= MAX_RANK_SERIES
+    # Under the cap nothing is folded.
+    assert values.get("fsdp_sentinel_rank_series_folded") and not any(
+        s.value for fam in families(base) for s in fam.samples
+        if s.name == "fsdp_sentinel_rank_series_folded"
+    )  # fmt: skip

@@ -197,6 +197,7 @@ EXPECTED = [
         0.0025,
     ),  # fmt: skip
     ("fsdp_sentinel_world_size", {"job": "run-7"}, 2.0),
+    ("fsdp_sentinel_rank_series_folded", {}, 0.0),
     ("fsdp_sentinel_last_record_timestamp_seconds", {}, 1_700_000_123.5),
     ("fsdp_sentinel_build_info", {"version": __version__}, 1.0),
 ]
