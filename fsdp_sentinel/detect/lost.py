@@ -48,7 +48,9 @@ def judge_lost(
     quiet: list[RankLiveness] = []
     # The two latest-heard ranks not lost: "the latest of the others" for any
     # rank in O(1) (a pass over every other rank per rank was quadratic).
-    top2 = heapq.nlargest(2, ((o.last_t, o.rank) for o in live if o.rank not in lost))
+    # Found only when a rank has been silent that long (rarely: most ticks and
+    # steps have none), not on every summary.
+    top2: list[tuple[float, int]] | None = None
     for lv in live:
         if lv.rank in lost or lv.last_t <= 0.0:
             continue
@@ -69,6 +71,8 @@ def judge_lost(
             # waiting: after a job-wide stall the first rank to finish must
             # not make every other look left behind.
             heard = max(lv.last_t, lv.pending_t)
+            if top2 is None:
+                top2 = heapq.nlargest(2, ((o.last_t, o.rank) for o in live if o.rank not in lost))
             others = [o_t for o_t, o_rank in top2 if o_rank != lv.rank][:1]
             if others and others[0] >= heard + silence:
                 quiet.append(lv)
