@@ -96,7 +96,7 @@ def test_past_the_rank_cap_the_rest_are_one_other_and_the_sums_hold() -> None:
     flagged = next(r for r in ranks if r.state != "ok" and r.rank >= MAX_RANK_SERIES)
     peers = [dataclasses.replace(base.peers[i % len(base.peers)], rank=i) for i in range(300)]
     snap = dataclasses.replace(base, ranks=tuple(ranks), peers=tuple(peers))
-    got = {}
+    got: dict[str, set[str | None]] = {}
     values: dict[str, float] = {}
     for fam in families(snap):
         for s in fam.samples:
