@@ -147,7 +147,7 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     yield from _daemon_families(snap)
     gauge = _gauge(
         "rank_series_folded",
-        'Ranks exported together as rank="other" (past the per-rank series cap;'
+        "Ranks exported together under the rank label other (past the per-rank series cap;"
         " ranks with an open verdict are always their own).",
         [],
     )
