@@ -718,16 +718,16 @@ class Correlator:
         rs = self.ranks.get(rank) if type(rank) is int else None
         if rs is None or type(step) is not int or type(end) not in (int, float):
             return
+        if done:
+            self.note_step(rs, step, end)  # what any step record says of its rank
+            return
         if end > rs.last_t:
             rs.last_t = end
         if rs.first_step is None or step < rs.first_step:
             rs.first_step = step
         if rs.done_step < 0 and rs.max_coll_step < 0:
             self._busy(rs)
-        if done:
-            if step > rs.done_step:
-                rs.done_step = step
-        elif step > rs.max_coll_step:
+        if step > rs.max_coll_step:
             rs.max_coll_step = step
 
     def add_coll(self, rec: Record) -> Any:
