@@ -217,8 +217,10 @@ def fold_ranks(snap: Any, max_ranks: int = MAX_RANK_SERIES) -> tuple[Any, int]:
         coll_seconds_total=_sum_dicts(r.coll_seconds_total for r in rest),
         coll_wait_buckets=_sum_dicts(r.coll_wait_buckets for r in rest),
     )  # fmt: skip
-    peers = [p for p in snap.peers if kept_view(p.job, p.rank)]
-    gone = [p for p in snap.peers if not kept_view(p.job, p.rank)]
+    peers: list[Any] = []
+    gone: list[Any] = []
+    for p in snap.peers:
+        (peers if kept_view(p.job, p.rank) else gone).append(p)
     if gone:
         peers.append(dataclasses.replace(
             gone[0], rank=FOLDED_RANK, peer_rank=FOLDED_RANK, job=OTHER, srtt_us=None,

@@ -353,15 +353,7 @@ def build_jobs(records: Iterable[Record], config: DetectConfig | None = None) ->
     """
     from fsdp_sentinel.jobs import JobRouter
 
-    books: dict[int, _Book] = {}
-
-    def make(cfg: DetectConfig | None) -> Pipeline:
-        book = _Book()
-        pipe = _BookedPipeline(cfg, book)
-        books[id(pipe)] = book
-        return pipe
-
-    router = JobRouter(config, pipeline_factory=make)
+    router = JobRouter(config, pipeline_factory=lambda cfg: _BookedPipeline(cfg, _Book()))
     whole = _Book()
     replayed: list[Record] = []
     said: dict[str, list[Record]] = defaultdict(list)  # job id -> its verdicts and actions
@@ -380,7 +372,7 @@ def build_jobs(records: Iterable[Record], config: DetectConfig | None = None) ->
         groups.setdefault(job.job or ("", job.attempt), []).append(job)
     if len(groups) <= 1:  # one job (or none): the page covers the whole trace
         jobs = next(iter(groups.values()), [])
-        attempts = [books[id(j.pipeline)] for j in jobs] if jobs else [whole]
+        attempts = [_book_of(j) for j in jobs] if jobs else [whole]
         data = _assemble(attempts, [r for recs in said.values() for r in recs], replayed)
         data.job = jobs[0].job if jobs else ""
         data.counts = whole.counts
@@ -399,11 +391,17 @@ def build_jobs(records: Iterable[Record], config: DetectConfig | None = None) ->
         if not jid:  # of the jobs without an id, this attempt's by time
             lo, hi = jobs[0].started_t, jobs[0].retired_t
             mine, again = _between(mine, lo, hi), _between(again, lo, hi)
-        data = _assemble([books[id(j.pipeline)] for j in jobs], mine, again)
+        data = _assemble([_book_of(j) for j in jobs], mine, again)
         data.job = jid
         data.flows_unmapped = sum(j.pipeline.stats["unattributed_flows"] for j in jobs)
         out.append(data)
     return out
+
+
+def _book_of(job: Any) -> _Book:
+    """The book a job's pipeline kept (every pipeline of this router is booked)."""
+    pipe: _BookedPipeline = job.pipeline
+    return pipe.book
 
 
 def _between(recs: list[Record], lo: float, hi: float | None) -> list[Record]:
