@@ -264,7 +264,9 @@ class _Rank:
         "coll_seconds",
         "wait_seconds_total",
         "step_buckets",
-        "coll_wait_buckets",
+        "_wait_buckets",
+        "_wait_backlog",
+        "_backlog_n",
         "_op_plan",
         "bad_fields",
         "pending",
@@ -295,7 +297,11 @@ class _Rank:
         # Histogram counts of the same (the exporter's step and wait histograms).
         self.wait_seconds_total = 0.0
         self.step_buckets = buckets.empty(buckets.STEP_DURATION_BOUNDS)
-        self.coll_wait_buckets: dict[str, list[int]] = {}
+        self._wait_buckets: dict[str, list[int]] = {}
+        # Waits summarised but not yet counted into _wait_buckets, by op (see
+        # wait_buckets): at most _WAIT_BACKLOG values a rank.
+        self._wait_backlog: dict[str, list[float]] = {}
+        self._backlog_n = 0
         self._op_plan: _OpPlan | None = None
         self.bad_fields = 0  # op or bytes fields of coll records that could not be added up
         self.pending: dict[int, Pending] = {}  # seq -> its newest pending record
@@ -313,17 +319,18 @@ class _Rank:
         self.bad_fields += plan.bad
         cnt, nb, secs = self.coll_count, self.coll_bytes, self.coll_seconds
         waits = cols.waits
-        hists = self.coll_wait_buckets
+        backlog = self._wait_backlog
         for key, n, b, pick in plan.per_op:
             if key not in cnt and len(cnt) >= max_ops:
                 evicted["op"] += n  # a rank's ops past the cap add up as one
                 key = OTHER_OP
             picked = waits if pick is None else pick(waits)
             w = cols.total_wait if pick is None else sum(picked)
-            counts = hists.get(key)
-            if counts is None:
-                counts = hists[key] = buckets.empty(_WAIT_BOUNDS)
-            _count_into(counts, picked)
+            pend = backlog.get(key)
+            if pend is None:
+                backlog[key] = list(picked)
+            else:
+                pend += picked
             if key in cnt:
                 cnt[key] += n
                 nb[key] += b
@@ -332,6 +339,34 @@ class _Rank:
                 cnt[key] = n
                 nb[key] = b
                 secs[key] = w
+        self._backlog_n += len(waits)
+        if self._backlog_n >= _WAIT_BACKLOG:
+            self._count_backlog()
+
+    def wait_buckets(self) -> dict[str, list[int]]:
+        """Histogram counts of the summarised collectives' waits, by op
+        (``buckets.COLLECTIVE_WAIT_BOUNDS``; the exporter's wait histograms)."""
+        if self._backlog_n:
+            self._count_backlog()
+        return self._wait_buckets
+
+    def _count_backlog(self) -> None:
+        # Counted a few steps at a time: a step's dozen waits per op cost
+        # _count_into's sort and bisections as much as several steps' do.
+        hists = self._wait_buckets
+        for key, values in self._wait_backlog.items():
+            counts = hists.get(key)
+            if counts is None:
+                counts = hists[key] = buckets.empty(_WAIT_BOUNDS)
+            _count_into(counts, values)
+        self._wait_backlog = {}
+        self._backlog_n = 0
+
+
+#: Waits a rank holds back before counting them into its histograms (see
+#: _Rank.wait_buckets): a few steps' worth, so that at 4,096 ranks the
+#: backlog stays a few MiB.
+_WAIT_BACKLOG = 64
 
 
 def _count_into(counts: list[int], values: Sequence[float]) -> None:
@@ -772,8 +807,8 @@ class Correlator:
 
         The batch form of a replay's hot loop: one call files a run of
         records, where :meth:`Pipeline.feed` costs three calls a record. A
-        record stays on the fast path when its rank and step already have
-        collectives filed (room left under the cap) and ``bounds`` (the
+        record stays on the fast path when its rank is known (its step's
+        first record or a late one included, room left under the cap) and ``bounds`` (the
         pipeline's time horizon, step limit and next tick) say no guard or
         tick is due: then filing it is exactly what ``feed`` would do.
         ``gate`` (a router's records by rank, by host pid, and the job): also
@@ -781,11 +816,14 @@ class Correlator:
         ill-typed field too) stops the run before any change is made.
         """
         horizon, step_limit, tick = bounds
+        by_rank, by_pid, job_of_run = gate if gate is not None else (None, None, None)
         ranks = self.ranks
         cap = self._colls_cap
+        first = self._add_first_coll
         n = len(recs)
+        start = i
         try:
-            while i < n:
+            for i in range(start, n):  # i: where the run stopped, at a break
                 rec = recs[i]
                 if rec.get(_KIND) != "coll":
                     break
@@ -794,26 +832,33 @@ class Correlator:
                 if end > horizon or step > step_limit or end >= tick:
                     break
                 rank = rec[_RANK]
-                if gate is not None:
+                if by_rank is not None:
                     pid = rec.get(_HOST_PID)
-                    job = gate[0].get(rank) if pid is None else gate[1].get(pid)
-                    if job is not gate[2]:
+                    job = by_rank.get(rank) if pid is None else by_pid.get(pid)  # type: ignore[union-attr]
+                    if job is not job_of_run:
                         break
                 rs = ranks.get(rank)
                 if rs is None:
                     break
                 lst = rs.colls.get(step)
-                if lst is None or len(lst) >= cap:
+                if lst is None:
+                    # Its step's first record (or a late one): what add_coll
+                    # does with it, here rather than through feed (it raises,
+                    # if at all, before it changes anything).
+                    end = first(rec, end, rank)
+                elif len(lst) < cap:
+                    if end > rs.last_t:
+                        rs.last_t = end
+                    lst.append(rec)
+                else:
                     break
-                if end > rs.last_t:
-                    rs.last_t = end
-                lst.append(rec)
                 if end > now:
-                    now = float(end)
-                i += 1
+                    now = end  # made a float once, on the way out
+            else:
+                i = n
         except (KeyError, TypeError, AttributeError):
             pass  # the ordinary path says what is wrong with it
-        return i, now
+        return i, float(now)
 
     def _add_first_coll(self, rec: Record, end: Any, rank: Any) -> Any:
         """:meth:`add_coll` for the first record of a (rank, step), or a late one."""

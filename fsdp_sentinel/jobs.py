@@ -189,10 +189,17 @@ class JobRouter:
                     out = job.feed(rec)
                     job.heard_t = self.now
                     return self._stamp(job, out) if out else _NOTHING
-            elif rec.get(_KIND) in _RANK_KEYED:
-                # The hot path of a trace from before host_pid (every captured
-                # trace): the job that announced the rank, as ``_route`` would find.
-                job = self._by_rank.get(rec.get(_RANK))
+            else:
+                # The hot paths of a trace from before host_pid (every captured
+                # trace), each finding the job ``_route`` would: the one that
+                # announced the rank, or (a flow's) the process.
+                kind = rec.get(_KIND)
+                if kind in _RANK_KEYED:
+                    job = self._by_rank.get(rec.get(_RANK))
+                elif kind in PID_KINDS:
+                    job = self._by_pid.get(rec.get(_PID))
+                else:
+                    job = None
                 if job is not None:
                     out = job.feed(rec)
                     job.heard_t = self.now
@@ -253,7 +260,9 @@ class JobRouter:
         jobs = self.jobs
         feed = self.feed
         while i < n:
-            if len(jobs) == 1:
+            # Only a coll record can start a run: the others (a step's,
+            # probes') skip the call.
+            if len(jobs) == 1 and recs[i].get(_KIND) == "coll":
                 for job in jobs.values():
                     j = job.pipeline.file_run(recs, i, (self._by_rank, self._by_pid, job))
                     if j > i:

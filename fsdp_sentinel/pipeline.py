@@ -209,7 +209,8 @@ class Pipeline:
         file_run = self.file_run
         feed = self.feed
         while i < n:
-            i = file_run(recs, i)
+            if recs[i].get(_KIND) == "coll":  # only a coll record starts a run
+                i = file_run(recs, i)
             if i < n:
                 v = feed(recs[i])
                 if v:
@@ -351,7 +352,7 @@ class Pipeline:
                     coll_seconds_total=dict(rs.coll_seconds),
                     wait_seconds_total=rs.wait_seconds_total,
                     step_buckets=tuple(rs.step_buckets),
-                    coll_wait_buckets={op: tuple(c) for op, c in rs.coll_wait_buckets.items()},
+                    coll_wait_buckets={op: tuple(c) for op, c in rs.wait_buckets().items()},
                 )
             )
         return Snapshot(
