@@ -49,6 +49,12 @@ STAT_NAMES = {
 }
 STAT_SOCK_DEL = 8
 STAT_ORPHAN_BYTES = 9
+STAT_HOT_CLAIM = 10
+STAT_HOT_STEAL = 11
+NSTATS = 12  # sentinel.h: SENTINEL_NSTATS
+
+#: bytes of one hot slot (sentinel.h: struct hot_slot)
+HOT_SLOT_BYTES = 64
 
 #: maps emptied at every poll (the rest are read in place)
 DRAINED_MAPS = (
@@ -106,6 +112,10 @@ class ProbeConfig:
     max_flows: int = 16384
     max_socks: int = 65536
     max_events: int = 8192
+    #: log2 of the hot slots (tcp_flows.c): 4,096 slots of 64 bytes hold the
+    #: sockets busy at once on a node many times over; a socket whose slot is
+    #: taken still counts exactly, one hash lookup dearer per call
+    hot_bits: int = 12
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.interval <= 3600:
@@ -113,6 +123,8 @@ class ProbeConfig:
         unknown = set(self.families) - {"tcp", "netdev", "nccl", "verbs"}
         if unknown:
             raise ValueError(f"unknown probe families: {', '.join(sorted(unknown))}")
+        if not 1 <= self.hot_bits <= 16:
+            raise ValueError(f"hot_bits must be between 1 and 16, not {self.hot_bits}")
 
 
 @dataclass
@@ -215,6 +227,7 @@ class ProbeSet:
         self.lost_orphan_bytes = 0
         self._devstats: DeviceStats | None = None
         self._sockdiag: SockDiag | None = None
+        self._hot: HotSlots | None = None
         # (namespace, cookie) -> the process a live socket's figures went to
         self._cookie_owner: dict[tuple[tuple[int, int], int], int] = {}
         self._owners = SocketOwners(self.config.proc_root)
@@ -247,6 +260,7 @@ class ProbeSet:
                     "SENTINEL_MAX_FLOWS": self.config.max_flows,
                     "SENTINEL_MAX_SOCKS": self.config.max_socks,
                     "SENTINEL_MAX_EVENTS": self.config.max_events,
+                    "SENTINEL_HOT_BITS": self.config.hot_bits,
                 },
             )
         return self._program
@@ -269,6 +283,8 @@ class ProbeSet:
         self.report.attached += [tp.name + (" (raw)" if tp.raw else "") for tp in prog.tracepoints]
         self.report.missing += [(chk.name, chk.reason or "") for chk in prog.missing]
         self._batch = self._probe_batch_support()
+        if "tcp" in self.config.families:
+            self._hot = HotSlots(self._bpf[b"hot"], self._batch, self.config.hot_bits)
         self._naming_on = any(tp.name == NAMING_TRACEPOINT for tp in prog.tracepoints)
         for pid in sorted(self._registered):  # registered before start()
             self._bpf[b"pids"][ct.c_uint(pid)] = ct.c_ubyte(1)
@@ -281,8 +297,10 @@ class ProbeSet:
             except KeyError:  # its family is not compiled in
                 continue
             self.evictions.harvest(name, sum(1 for _ in _drain(table, self._batch)))
-        if "tcp" in self.config.families:  # bytes already in sock_info are the baseline
-            self._owner_bytes({_int(k): v for k, v in _read_all(self._bpf[b"socks"], self._batch)})
+        if "tcp" in self.config.families:  # bytes already counted are the baseline
+            hot = self._hot.read() if self._hot is not None else {}
+            socks = {_int(k): v for k, v in _read_all(self._bpf[b"socks"], self._batch)}
+            self._owner_bytes(socks, hot)
         self._last_t = self._clock()
         self._stats = self._read_stats()
         if "tcp" in self.config.families:
@@ -366,6 +384,9 @@ class ProbeSet:
         if self._sockdiag is not None:
             self._sockdiag.close()
             self._sockdiag = None
+        if self._hot is not None:
+            self._hot.close()
+            self._hot = None
         if self._bpf is not None:
             try:
                 self._bpf.cleanup()
@@ -453,7 +474,7 @@ class ProbeSet:
     def _read_stats(self) -> dict[int, int]:
         out: dict[int, int] = {}
         table = self._bpf[b"stats"]
-        for idx in range(10):
+        for idx in range(NSTATS):
             vals = table[ct.c_int(idx)]
             out[idx] = int(sum(vals))
         return out
@@ -495,6 +516,9 @@ class ProbeSet:
         return out
 
     def _poll_tcp(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
+        # The hot slots before socks, socks before closed (tcp_flows.c frees
+        # a slot only after socks lost its socket): each byte counts once.
+        hot = self._hot.read() if self._hot is not None else {}
         socks: dict[int, Any] = {}
         by_tuple: dict[R.Tuple, Any] = {}
         for k, v in _read_all(b[b"socks"], batch):
@@ -504,7 +528,7 @@ class ProbeSet:
         # socks is not drained: what it lost to the LRU is what was created
         # minus what the kernel deleted minus what is still there.
         self.evictions.harvested["socks"] = self._stat(STAT_SOCK_DEL) + len(socks)
-        flows = self._owner_bytes(socks)
+        flows = self._owner_bytes(socks, hot)
         for k, v in self._harvest("flows"):
             key = (int(k.tgid), _tuple(k.t))
             flows.setdefault(key, R.FlowFigures()).add(*_fields(v, "tx_bytes", "rx_bytes"))
@@ -526,9 +550,12 @@ class ProbeSet:
         out += self._conn_records(b, batch, now, host, socks, owners)
         return out
 
-    def _owner_bytes(self, socks: dict[int, Any]) -> dict[tuple[int, R.Tuple], R.FlowFigures]:
+    def _owner_bytes(
+        self, socks: dict[int, Any], hot: dict[int, tuple[int, int, int]]
+    ) -> dict[tuple[int, R.Tuple], R.FlowFigures]:
         """Each socket owner's bytes since the last poll: the cumulative
-        counts in its sock_info (read in place) minus those seen last time,
+        counts in its sock_info and its hot slot (``hot``: socket -> (owner,
+        tx, rx), read first), minus those seen last time,
         then the final counts of sockets that closed since (drained from
         `closed`), minus what was seen of them. Read in that order, a socket
         that closes between the two reads is counted once."""
@@ -547,6 +574,9 @@ class ProbeSet:
             if v.known and v.tgid:
                 key = (sk, _tuple(v.t))
                 cur = (int(v.tx_bytes), int(v.rx_bytes))
+                slot = hot.get(sk)
+                if slot is not None and slot[0] == v.tgid:
+                    cur = (cur[0] + slot[1], cur[1] + slot[2])
                 add(key, int(v.tgid), *cur)
                 now[key] = seen[key] = cur
         for k, v in self._harvest("closed"):
@@ -773,4 +803,60 @@ class ProbeSet:
             "unattributed_bytes": self.lost_orphan_bytes,
             "missed_events": self.missed_events(),
             "batch_lookup_and_delete": self._batch,
+            "hot_slots": {
+                "claimed": self._stat(STAT_HOT_CLAIM),
+                "stolen": self._stat(STAT_HOT_STEAL),
+                "mmap": self._hot.mapped if self._hot is not None else False,
+            },
         }
+
+
+class HotSlots:
+    """The ``hot`` array (tcp_flows.c), read through mmap: no map syscall, so
+    reading it never holds a CPU where a classic tracepoint would then be
+    skipped. Where the kernel or bcc does not map it, read with lookups."""
+
+    def __init__(self, table: Any, batch: bool, bits: int) -> None:
+        import mmap
+
+        self._table, self._batch = table, batch
+        self._mm: Any = None
+        self._words: memoryview | None = None
+        size = -(-((1 << bits) * HOT_SLOT_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
+        try:
+            self._mm = mmap.mmap(table.map_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            self._words = memoryview(self._mm).cast("Q")
+        except (OSError, ValueError, AttributeError) as e:
+            log.info("hot slots not mmap-able (%s): read with map lookups", e)
+            self._mm = None
+
+    @property
+    def mapped(self) -> bool:
+        return self._words is not None
+
+    def read(self) -> dict[int, tuple[int, int, int]]:
+        """Socket address -> (owner tgid, tx bytes, rx bytes) of every held slot."""
+        out: dict[int, tuple[int, int, int]] = {}
+        w = self._words
+        if w is None:
+            for _, v in _read_all(self._table, self._batch):
+                if v.sk > 1:
+                    out[int(v.sk)] = (int(v.tgid), int(v.tx_bytes), int(v.rx_bytes))
+            return out
+        per = HOT_SLOT_BYTES // 8
+        sks = w[::per].tolist()
+        for i, sk in enumerate(sks):
+            if sk > 1:  # 0 free, 1 being claimed or released
+                base = i * per
+                tgid, tx, rx = w[base + 1] & 0xFFFFFFFF, w[base + 2], w[base + 3]
+                if w[base] == sk:  # not reclaimed while it was read
+                    out[sk] = (tgid, tx, rx)
+        return out
+
+    def close(self) -> None:
+        if self._words is not None:
+            self._words.release()
+            self._words = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None

@@ -66,7 +66,9 @@
 #define SENTINEL_STAT_QP_NEW 7
 #define SENTINEL_STAT_SOCK_DEL 8
 #define SENTINEL_STAT_ORPHAN_BYTES 9
-#define SENTINEL_NSTATS 10
+#define SENTINEL_STAT_HOT_CLAIM 10
+#define SENTINEL_STAT_HOT_STEAL 11
+#define SENTINEL_NSTATS 12
 
 /* A TCP connection as its local end sees it. IPv4 addresses use the first 4
  * bytes of laddr/raddr; IPv4-mapped IPv6 addresses are folded to IPv4 so that
@@ -117,6 +119,32 @@ struct sock_info {
     u32 pad;
     u64 tx_bytes;
     u64 rx_bytes;
+};
+
+/* hot: the byte counters of named sockets while their owner moves bytes,
+ * in a direct-mapped array indexed by a hash of the socket address. An
+ * array slot is reached without a helper call (the verifier inlines array
+ * lookups), where socks costs a hash lookup: the per-call byte programs pay
+ * for one or the other on every send and receive. A slot belongs to one
+ * socket at a time (claimed with a compare-and-swap by its owner's first
+ * call after the socket was named, freed when it closes or is named again);
+ * a socket whose slot is taken counts in its sock_info as before. A socket's
+ * bytes are its sock_info's plus its slot's (user space reads the array
+ * through mmap: no map syscall). One cache line a slot, so two sockets busy
+ * on two CPUs never share a line. */
+#ifndef SENTINEL_HOT_BITS
+#define SENTINEL_HOT_BITS 12
+#endif
+#define SENTINEL_HOT_SLOTS (1 << SENTINEL_HOT_BITS)
+#define SENTINEL_HOT_CLAIMING 1 /* sk while a claim or a release is under way */
+
+struct hot_slot {
+    u64 sk;     /* 0: free; SENTINEL_HOT_CLAIMING; else the socket address */
+    u32 tgid;   /* the socket's owner (only its calls count here) */
+    u32 pad;
+    u64 tx_bytes;
+    u64 rx_bytes;
+    u64 pad2[4];
 };
 
 /* closed: a socket's final sock_info counts, copied as it closes (keyed by

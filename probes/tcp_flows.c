@@ -2,7 +2,9 @@
  * tracepoint arguments only.
  *
  *   sock:sock_send_length / sock_recv_length  bytes per (process, socket),
- *       in process context, so the tgid is the process that moved the bytes
+ *       in process context, so the tgid is the process that moved the bytes;
+ *       a named socket's owner counts in its `hot` slot (an array: no hash
+ *       lookup per call), everyone else in hash maps
  *   sock:inet_sock_set_state socket -> 4-tuple, open/close
  *   tcp:tcp_probe            socket -> 4-tuple for sockets older than the
  *       probes; attached by the loader only while such a socket waits for a
@@ -22,6 +24,8 @@ BPF_TABLE("lru_hash", struct conn_key, struct conn_counters, conn_events, SENTIN
 BPF_TABLE("lru_hash", struct closed_key, struct closed_counts, closed, SENTINEL_MAX_EVENTS);
 /* socket -> the process that last moved bytes on it before it was named */
 BPF_TABLE("lru_hash", u64, u32, sock_owner_hint, SENTINEL_MAX_EVENTS);
+/* named sockets' counters on the hot path (sentinel.h: struct hot_slot) */
+BPF_F_TABLE("array", u32, struct hot_slot, hot, SENTINEL_HOT_SLOTS, BPF_F_MMAPABLE);
 
 /* The 4-tuple of tracepoints that carry family, sport, dport and separate
  * v4/v6 address fields (inet_sock_set_state, tcp_receive_reset). The fields sit at unaligned offsets in some of these
@@ -68,20 +72,68 @@ static __always_inline void add_bytes(u64 *tx, u64 *rx, int ret, int is_rx)
         __sync_fetch_and_add(tx, (u64)ret);
 }
 
+/* The slot a socket address maps to (Fibonacci hashing: the top bits of a
+ * multiplication, so addresses that differ only in their low bits spread). */
+static __always_inline struct hot_slot *hot_slot_of(u64 sk)
+{
+    u32 idx = (u32)((sk * 0x9E3779B97F4A7C15ULL) >> (64 - SENTINEL_HOT_BITS));
+    return hot.lookup(&idx);
+}
+
+/* Give sk's slot to it (owner tgid, counters from 0) if the slot is free, or
+ * held by a socket that socks no longer has (closed or evicted unseen: user
+ * space can no longer see its counts either). The final store is an atomic
+ * exchange, so the zeroed counters are visible before the socket is. */
+static __always_inline void hot_claim(struct hot_slot *h, u64 sk, u32 tgid)
+{
+    u64 cur = h->sk;
+    if (cur == SENTINEL_HOT_CLAIMING)
+        return;
+    int steal = 0;
+    if (cur) {
+        if (socks.lookup(&cur))
+            return; /* a live socket's: this one counts in its sock_info */
+        steal = 1;
+    }
+    if (__sync_val_compare_and_swap(&h->sk, cur, SENTINEL_HOT_CLAIMING) != cur)
+        return;
+    h->tgid = tgid;
+    h->tx_bytes = 0;
+    h->rx_bytes = 0;
+    __sync_lock_test_and_set(&h->sk, sk);
+    stat_add(steal ? SENTINEL_STAT_HOT_STEAL : SENTINEL_STAT_HOT_CLAIM, 1);
+}
+
+/* Free sk's slot if it holds one (after its counts were read or reset). */
+static __always_inline void hot_release(struct hot_slot *h, u64 sk)
+{
+    if (h && h->sk == sk)
+        __sync_val_compare_and_swap(&h->sk, sk, 0);
+}
+
 static __always_inline void count_io(u64 sk, int ret, int flags, int rx)
 {
     if (ret <= 0 || (flags & SENTINEL_MSG_PEEK))
         return;
     u32 tgid = current_tgid();
-    /* Hot path: a named socket's owner moving bytes. One lookup: the owner
-     * passed the pid filter when it became the owner. */
+    struct hot_slot *h = hot_slot_of(sk);
+    if (!h)
+        return; /* never: the index is always in range */
+    /* Hottest path: a named socket's owner, its slot claimed. No helper
+     * call: the owner passed the pid filter when it claimed the slot. */
+    if (h->sk == sk && h->tgid == tgid) {
+        add_bytes(&h->tx_bytes, &h->rx_bytes, ret, rx);
+        return;
+    }
+    /* The pid filter first: another process's traffic costs this lookup. */
+    if (!tgid_allowed(tgid))
+        return;
     struct sock_info *si = socks.lookup(&sk);
     if (si && si->known && si->tgid == tgid) {
         add_bytes(&si->tx_bytes, &si->rx_bytes, ret, rx);
+        hot_claim(h, sk, tgid); /* its next calls take the hot path */
         return;
     }
-    if (!tgid_allowed(tgid))
-        return;
     if (si && si->ignore)
         return; /* user space found it is no TCP socket (unix, udp) */
     struct flow_counters *c = 0;
@@ -89,6 +141,7 @@ static __always_inline void count_io(u64 sk, int ret, int flags, int rx)
         if (!si->tgid) { /* passively opened: its first user owns it */
             si->tgid = tgid;
             add_bytes(&si->tx_bytes, &si->rx_bytes, ret, rx);
+            hot_claim(h, sk, tgid);
             return;
         }
         struct flow_key fk = {}; /* another process on the owner's socket */
@@ -167,6 +220,7 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
     }
     si->tx_bytes = 0; /* bytes before this instant are parked in orphans */
     si->rx_bytes = 0;
+    hot_release(hot_slot_of(sk), sk);
     si->known = 1;
     return 0;
 }
@@ -226,19 +280,32 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     if (news == SENTINEL_TCP_CLOSE) {
         if (allowed && olds != SENTINEL_TCP_LISTEN && olds != SENTINEL_TCP_NEW_SYN_RECV)
             conn_event(&t, SENTINEL_CONN_CLOSE, sk, tgid);
-        if (si && si->known && (si->tx_bytes || si->rx_bytes)) {
-            struct closed_key key = {};
-            key.sk = sk;
-            key.t = si->t;
-            struct closed_counts last = {};
-            last.tgid = si->tgid;
-            last.tx_bytes = si->tx_bytes;
-            last.rx_bytes = si->rx_bytes;
-            if (closed.update(&key, &last) == 0)
-                stat_add(SENTINEL_STAT_CLOSED_NEW, 1);
+        /* Final counts: sock_info's and its slot's. The slot is freed only
+         * after socks lost the socket, and user space reads the slots before
+         * socks, then closed: whichever it sees, each byte counts once. */
+        struct hot_slot *h = 0;
+        if (si && si->known) {
+            u64 tx = si->tx_bytes, rx = si->rx_bytes;
+            h = hot_slot_of(sk);
+            if (h && h->sk == sk) {
+                tx += h->tx_bytes;
+                rx += h->rx_bytes;
+            }
+            if (tx || rx) {
+                struct closed_key key = {};
+                key.sk = sk;
+                key.t = si->t;
+                struct closed_counts last = {};
+                last.tgid = si->tgid;
+                last.tx_bytes = tx;
+                last.rx_bytes = rx;
+                if (closed.update(&key, &last) == 0)
+                    stat_add(SENTINEL_STAT_CLOSED_NEW, 1);
+            }
         }
         if (si && socks.delete(&sk) == 0)
             stat_add(SENTINEL_STAT_SOCK_DEL, 1);
+        hot_release(h, sk);
         return 0;
     }
     if (!allowed)
@@ -258,6 +325,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
                 si->tx_bytes = 0;
                 si->rx_bytes = 0;
             }
+            hot_release(hot_slot_of(sk), sk); /* an earlier socket's, if any */
             si->t = t;
             si->known = 1;
             si->ignore = 0;

@@ -84,6 +84,9 @@ def test_known_transfer_matches_sender_and_ss(probes: ProbeSet) -> None:
         # Open connection: the flow carries path figures from tcp_probe.
         flows = [r for r in recs if r["kind"] == "flow" and r["src"] == client]
         assert any("srtt_us" in r and "cwnd" in r for r in flows)
+        # The bytes went through hot slots (read through mmap), not only socks.
+        hot = probes.stats()["hot_slots"]
+        assert hot["mmap"] is True and hot["claimed"] >= 2, hot
     finally:
         for p in (snd, rcv):
             if p:
@@ -150,6 +153,72 @@ def test_short_lived_connections_are_counted(probes: ProbeSet) -> None:
     assert sum(r["count"] for r in conns if r["what"] == "open") == k
     assert sum(r["count"] for r in conns if r["what"] == "close") == k
     assert {r["pid"] for r in conns} == {peer.pid}
+
+
+def test_sockets_sharing_too_few_hot_slots_count_exactly() -> None:
+    """Two hot slots for 16 busy sockets (8 connections, both ends here): most
+    sockets collide and count in socks, slots are claimed, freed at close and
+    claimed again by the next round; polled mid-transfer, every socket's
+    bytes come out exact."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    import threading
+
+    ps = ProbeSet(ProbeConfig(families=("tcp",), hot_bits=1))
+    ps.start()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    port = srv.getsockname()[1]
+    server = f"127.0.0.1:{port}"
+    conns = 8
+    want: dict[str, int] = {}  # client address -> bytes it sent
+    got: dict[str, int] = {}  # client address -> bytes the server read
+    recs: list[dict] = []
+    try:
+        ps.poll()
+        for rnd in range(2):
+
+            def sink() -> None:
+                for _ in range(conns):
+                    c, addr = srv.accept()
+                    threading.Thread(target=drain, args=(c, f"{addr[0]}:{addr[1]}")).start()
+
+            def drain(c: socket.socket, who: str) -> None:
+                n = 0
+                while k := len(c.recv(1 << 16)):
+                    n += k
+                got[who] = n
+                c.close()
+
+            t = threading.Thread(target=sink)
+            t.start()
+            clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
+            for step in range(40):
+                for i, c in enumerate(clients):
+                    c.sendall(b"h" * (4096 * (i + 1) + 13 * rnd + step))
+                if step == 20:
+                    recs += ps.poll()
+            for i, c in enumerate(clients):
+                host, cport = c.getsockname()
+                want[f"{host}:{cport}"] = sum(4096 * (i + 1) + 13 * rnd + s for s in range(40))
+                c.close()
+            t.join()
+            deadline = time.monotonic() + 5
+            while len(got) < len(want) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        time.sleep(0.05)
+        recs += ps.poll()
+        hot = ps.stats()["hot_slots"]
+    finally:
+        srv.close()
+        ps.close()
+    assert got == want
+    for client, n in want.items():
+        tx, rx, _ = _sum(recs, client, server)
+        s_tx, s_rx, _ = _sum(recs, server, client)
+        assert (tx, rx, s_tx, s_rx) == (n, 0, 0, n), client
+    assert hot["claimed"] >= 2, hot  # both slots used, then freed and used again
 
 
 def test_netdev_records_every_device_every_poll(probes: ProbeSet) -> None:

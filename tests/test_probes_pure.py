@@ -90,6 +90,17 @@ def test_config_rejects_bad_interval_and_family() -> None:
         ProbeConfig(interval=0.05)
     with pytest.raises(ValueError):
         ProbeConfig(families=("tcp", "udp"))
+    with pytest.raises(ValueError):
+        ProbeConfig(hot_bits=0)  # the slot index shifts by 64 - bits
+
+
+def test_hot_slot_count_reaches_the_program(tmp_path: Path) -> None:
+    text = ProbeSet(ProbeConfig(tracefs_root=str(tmp_path), hot_bits=5)).program_text()
+    assert "#define SENTINEL_HOT_BITS 5" in text
+    assert (
+        'BPF_F_TABLE("array", u32, struct hot_slot, hot, SENTINEL_HOT_SLOTS, BPF_F_MMAPABLE)'
+        in text
+    )
 
 
 def test_tuples_render_as_ip_port() -> None:
