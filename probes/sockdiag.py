@@ -188,24 +188,34 @@ def parse_dump(data: bytes) -> tuple[list[DiagSocket], bool]:
 
     Raises OSError on a netlink error message (its errno)."""
     out: list[DiagSocket] = []
+    for kind, body in nl_messages(data):
+        if kind == NLMSG_DONE:
+            return out, True
+        if kind == SOCK_DIAG_BY_FAMILY:
+            sk = _decode(body)
+            if sk is not None:
+                out.append(sk)
+    return out, False
+
+
+def nl_messages(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(type, payload) of every netlink message in ``data``, in order (an
+    acknowledgement, an error message with errno 0, is skipped).
+
+    Raises OSError on a netlink error message (its errno)."""
     off = 0
     while off + _NLMSG.size <= len(data):
         length, kind, _, _, _ = _NLMSG.unpack_from(data, off)
         if length < _NLMSG.size:
             break
         body = data[off + _NLMSG.size : off + length]
-        if kind == NLMSG_DONE:
-            return out, True
         if kind == NLMSG_ERROR:
             err = -struct.unpack_from("=i", body, 0)[0]
             if err:
                 raise OSError(err, os.strerror(err))
-        elif kind == SOCK_DIAG_BY_FAMILY:
-            sk = _decode(body)
-            if sk is not None:
-                out.append(sk)
+        else:
+            yield kind, body
         off += (length + 3) & ~3
-    return out, False
 
 
 def dump(
@@ -253,8 +263,8 @@ def _setns(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _diag_socket(groups: int) -> socket.socket:
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+def _diag_socket(groups: int, protocol: int = NETLINK_SOCK_DIAG) -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
     if groups:
         try:
             with contextlib.suppress(OSError):  # a bigger buffer needs CAP_NET_ADMIN too
@@ -267,15 +277,18 @@ def _diag_socket(groups: int) -> socket.socket:
     return sock
 
 
-def open_in_namespace(ns_path: str | None, groups: int = 0) -> socket.socket:
-    """A sock_diag socket reading the namespace at ``ns_path`` (None: ours);
+def open_in_namespace(
+    ns_path: str | None, groups: int = 0, protocol: int = NETLINK_SOCK_DIAG
+) -> socket.socket:
+    """A sock_diag socket (or another netlink ``protocol``'s: devstats.py
+    reads rtnetlink) reading the namespace at ``ns_path`` (None: ours);
     ``groups``: multicast groups to join (``DESTROY_GROUPS``: a non-blocking
     listener for the namespace's destroyed TCP sockets).
 
     The thread enters that namespace for the socket() call only and always
     returns to its own, even on error."""
     if ns_path is None:
-        return _diag_socket(groups)
+        return _diag_socket(groups, protocol)
     target = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
     home = os.open(
         f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY | os.O_CLOEXEC
@@ -283,7 +296,7 @@ def open_in_namespace(ns_path: str | None, groups: int = 0) -> socket.socket:
     try:
         _setns(target)
         try:
-            return _diag_socket(groups)
+            return _diag_socket(groups, protocol)
         finally:
             _setns(home)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,15 @@ import pytest
 from fsdp_sentinel import trace
 from fsdp_sentinel.probes import flows_cmd
 from fsdp_sentinel.probes import records as R
-from fsdp_sentinel.probes.devstats import deltas, sample_link
+from fsdp_sentinel.probes.devstats import (
+    IFLA_IFNAME,
+    IFLA_STATS64,
+    STATS64_FIELDS,
+    deltas,
+    parse_link,
+    parse_qdisc,
+    sample_link,
+)
 from fsdp_sentinel.probes.libscan import LibraryScanner
 from fsdp_sentinel.probes.loader import (
     ProbeConfig,
@@ -122,32 +131,60 @@ def test_flow_records_are_trace_v1() -> None:
     assert recs[0]["srtt_us"] == 250 and recs[0]["pid"] == 7 and "snd_wnd" not in recs[0]
 
 
-class _Msg(dict):
-    """A stand-in for a pyroute2 netlink message: item access and get_attr."""
-
-    def __init__(self, attrs: dict, **fields: object) -> None:
-        super().__init__(fields)
-        self.attrs = attrs
-
-    def get_attr(self, name: str) -> object:
-        return self.attrs.get(name)
+def _attr(kind: int, payload: bytes) -> bytes:
+    n = 4 + len(payload)
+    return struct.pack("=HH", n, kind) + payload + bytes(-n % 4)
 
 
-def _link(idx: int, **stats: int) -> _Msg:
-    return _Msg({"IFLA_IFNAME": f"d{idx}", "IFLA_STATS64": stats}, index=idx)
+def _nlmsg(kind: int, body: bytes) -> bytes:
+    return struct.pack("=IHHII", 16 + len(body), kind, 2, 1, 0) + body
 
 
-def _qdisc(idx: int, drops: int, backlog: int, qlen: int) -> _Msg:
-    queue = {"drops": drops, "backlog": backlog, "qlen": qlen}
-    return _Msg({"TCA_STATS2": _Msg({"TCA_STATS_QUEUE": queue})}, index=idx)
+def _link_msg(idx: int, name: str, **stats: int) -> bytes:
+    st = struct.pack("=23Q", *[stats.get(f, 0) for f in STATS64_FIELDS], *[99] * 15)
+    body = struct.pack("=BxHiII", 0, 1, idx, 0, 0)
+    body += _attr(IFLA_IFNAME, name.encode() + b"\0") + _attr(4, b"\xff" * 4)
+    return _nlmsg(16, body + _attr(IFLA_STATS64, st))
+
+
+def _qdisc_msg(idx: int, drops: int, backlog: int, qlen: int) -> bytes:
+    queue = _attr(3, struct.pack("=IIIII", qlen, backlog, drops, 7, 8))
+    stats2 = _attr(1, bytes(16)) + queue  # TCA_STATS_BASIC first, as the kernel sends it
+    body = struct.pack("=BxxxiIII", 0, idx, 0x10000, 0xFFFFFFFF, 1)
+    return _nlmsg(36, body + _attr(1, b"tbf\0") + _attr(0x8000 | 7, stats2))
+
+
+def test_rtnetlink_dump_messages_decode_to_device_samples() -> None:
+    from fsdp_sentinel.probes.sockdiag import nl_messages
+
+    data = _link_msg(3, "eth0", tx_bytes=1000, rx_bytes=50, rx_dropped=4)
+    data += _qdisc_msg(3, 2, 300, 2) + _nlmsg(3, bytes(4))  # ... NLMSG_DONE
+    kinds = [(k, b) for k, b in nl_messages(data)]
+    assert [k for k, _ in kinds] == [16, 36, 3]
+    link = parse_link(kinds[0][1])
+    assert link is not None
+    idx, name, stats = link
+    assert (idx, name) == (3, "eth0")
+    assert stats["tx_bytes"] == 1000 and stats["rx_dropped"] == 4 and stats["tx_packets"] == 0
+    assert parse_qdisc(kinds[1][1]) == (3, (2, 300, 2))
+    assert parse_qdisc(struct.pack("=BxxxiIII", 0, 3, 0, 0, 0)) is None  # no stats
+
+
+def test_a_netlink_error_message_raises_its_errno() -> None:
+    from fsdp_sentinel.probes.sockdiag import nl_messages
+
+    with pytest.raises(OSError) as e:
+        list(nl_messages(_nlmsg(2, struct.pack("=i", -1) + bytes(16))))
+    assert e.value.errno == 1
+    assert list(nl_messages(_nlmsg(2, struct.pack("=i", 0) + bytes(16)))) == []  # an ack
 
 
 def test_device_sample_sums_qdiscs_and_deltas_restart_after_a_reset() -> None:
-    first = sample_link(_link(1, tx_bytes=1000, rx_bytes=50), [_qdisc(1, 2, 300, 2)])
+    first = sample_link({"tx_bytes": 1000, "rx_bytes": 50}, [(2, 300, 2)])
     assert first.counters["tx_bytes"] == 1000 and first.counters["drops"] == 2
     cur = sample_link(
-        _link(1, tx_bytes=1500, rx_bytes=20, rx_dropped=4),
-        [_qdisc(1, 5, 100, 1), _qdisc(1, 1, 28, 1)],  # root + child qdisc
+        {"tx_bytes": 1500, "rx_bytes": 20, "rx_dropped": 4},
+        [(1, 100, 5), (1, 28, 1)],  # root + child qdisc: (qlen, backlog, drops)
     )
     assert (cur.backlog, cur.qlen) == (128, 2)
     d = deltas(first, cur)
@@ -157,8 +194,8 @@ def test_device_sample_sums_qdiscs_and_deltas_restart_after_a_reset() -> None:
 
 
 def test_netdev_records_carry_every_device_and_the_qdisc_gauges() -> None:
-    idle = sample_link(_link(2), [])
-    busy = sample_link(_link(1, tx_bytes=10), [_qdisc(1, 0, 64, 1)])
+    idle = sample_link({}, [])
+    busy = sample_link({"tx_bytes": 10}, [(1, 64, 0)])
     devs = {
         "busy0": ({"tx_bytes": 10, "rx_bytes": 0, "drops": 0}, busy),
         "idle0": (deltas(idle, idle), idle),
