@@ -224,9 +224,8 @@ def test_oversize_and_unencodable_records_are_dropped(
 def test_a_record_that_fills_a_datagram_alone_goes_alone_and_its_neighbours_go(
     sock_path: str, receiver: socket.socket
 ) -> None:
-    just = {**REC, "blob": ""}
-    just["blob"] = "x" * (MAX_DATAGRAM - len(json.dumps(just, separators=(",", ":"))))
-    too_big = {**REC, "blob": just["blob"] + "x"}
+    blob = "x" * (MAX_DATAGRAM - len(json.dumps({**REC, "blob": ""}, separators=(",", ":"))))
+    just, too_big = {**REC, "blob": blob}, {**REC, "blob": blob + "x"}
     with Emitter(sock_path, flush_interval=3600) as em:
         em._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # type: ignore[union-attr]
         for rec in ({**REC, "step": 1}, just, too_big, {**REC, "step": 2}):
