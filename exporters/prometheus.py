@@ -370,7 +370,7 @@ def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
     )
     yield by_key(
         "ingest_messages_total",
-        "Datagrams the ingest socket received: accepted, or the reason it dropped them.",
+        "Records the ingest socket received (one a datagram line): accepted, or why dropped.",
         "result",
         snap.ingest_messages_total,
     )

@@ -169,9 +169,10 @@ class DaemonConfig:
     interval: float = 1.0
     #: Records waiting for the pipeline beyond this are refused (counted ``queue_full``).
     queue_max: int = 200_000
-    #: Datagram bytes waiting for the pipeline beyond this are refused (counted
-    #: ``queue_bytes``): a count cap alone lets 200,000 datagrams of 64 KiB
-    #: hold 12 GiB. A parsed record takes a few times its datagram's bytes.
+    #: Record bytes (each record's line of its datagram) waiting for the
+    #: pipeline beyond this are refused (counted ``queue_bytes``): a count cap
+    #: alone lets 200,000 datagrams of 64 KiB hold 12 GiB. A parsed record
+    #: takes a few times its line's bytes.
     queue_max_bytes: int = 32 * 1024 * 1024
     #: How often registered pids are checked for having exited.
     pid_check_interval: float = 5.0
@@ -214,7 +215,7 @@ class Daemon:
         self._observe: Callable[[Record], None] | None = getattr(remediator, "observe", None)
         self._clock = clock
         self._proc = Path(proc_root)
-        # Items are (record, datagram bytes). The bytes waiting are
+        # Items are (record, its bytes in the datagram). The bytes waiting are
         # _bytes_in - _bytes_out: each counter has one writer (the ingest
         # thread, the pipeline thread), so neither needs a lock.
         self._queue: queue.SimpleQueue[tuple[Record, int]] = queue.SimpleQueue()

@@ -1,13 +1,17 @@
-"""The daemon's ingest socket: trace-v1 records from the ranks, one per datagram.
+"""The daemon's ingest socket: trace-v1 records from the ranks, as JSON lines in datagrams.
 
 An :class:`IngestServer` binds an AF_UNIX SOCK_DGRAM socket at a path (its
 directory made 0750 when the server creates it, the socket 0660; with
 ``socket_group`` both get that group, so ranks running as a non-root user in
 it can reach and send, and everyone else gets ``EACCES``) and runs one
-receive thread that parses each datagram as one JSON record with the trace
-reader's own decoder and schema (:func:`parse_datagram`) and hands it to
-``on_record``. A malformed datagram is dropped and counted by reason; the
-thread carries on.
+receive thread. A datagram holds one record or several, one JSON object a
+line (``\n``-separated: the emitter packs what it drains into as few
+datagrams as it can); :func:`parse_lines` parses and checks each line on its
+own with the trace reader's own decoder and schema (:func:`parse_datagram`),
+and each good record is handed to ``on_record``. A malformed line is dropped
+and counted by reason, the datagram's other lines are taken; the thread
+carries on. A datagram of one record, with or without a newline at its end,
+is read as before (senders that know nothing of lines keep working).
 
 A path socket lives in the file system, not in a network namespace, so ranks
 in other network namespaces of the same machine reach it through the path.
@@ -128,7 +132,8 @@ def is_sender(announced: object, kernel_pid: int, proc_root: str = "/proc") -> b
 
 
 def parse_datagram(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """One datagram -> (record, None) or (None, drop reason).
+    """One record (a line of a datagram, or a whole one) -> (record, None) or
+    (None, drop reason).
 
     The trace reader's own decoder and schema (``trace.decode``,
     ``trace.bad_field``): nesting past the parser's limit, non-finite
@@ -152,6 +157,34 @@ def parse_datagram(data: bytes) -> tuple[dict[str, Any] | None, str | None]:
     if kind in RESERVED_KINDS:
         return None, RESERVED
     return rec, None
+
+
+def parse_lines(data: bytes) -> list[tuple[dict[str, Any] | None, str | None]]:
+    """A datagram -> one :func:`parse_datagram` result per record it holds.
+
+    A record a line (``\n``-separated); blank lines (whitespace only) are
+    skipped, as the trace reader skips them; a datagram with no other line
+    is one ``invalid_json``. A datagram without a newline is one record, as
+    is one whose lines do not each parse but which as a whole is one JSON
+    text (a sender's pretty-printed record). Never empty, never raises.
+    """
+    return _parse_lines(data)[0]
+
+
+def _parse_lines(
+    data: bytes,
+) -> tuple[list[tuple[dict[str, Any] | None, str | None]], list[int]]:
+    """:func:`parse_lines`, and each record's length in bytes (its line's)."""
+    if b"\n" in data:
+        lines = [line for line in data.split(b"\n") if line.strip()]
+        if len(lines) > 1:
+            out = [parse_datagram(line) for line in lines]
+            if any(why == BAD_JSON for _, why in out):
+                whole = parse_datagram(data)
+                if whole[1] != BAD_JSON:
+                    return [whole], [len(data)]
+            return out, [len(line) for line in lines]
+    return [parse_datagram(data)], [len(data)]
 
 
 def _prepare_path(path: Path, gid: int | None = None) -> None:
@@ -224,12 +257,16 @@ class IngestServer:
     Returning ``False`` refuses the record (counted as ``refused``), returning
     one of :data:`REFUSAL_REASONS` refuses it under that reason. With
     ``sized=True`` it is called as ``on_record(rec, nbytes)``, ``nbytes`` the
-    datagram's length (what the daemon's byte cap counts).
+    record's length in the datagram, its line (what the daemon's byte cap
+    counts; the whole datagram's for a datagram of one record).
 
-    Counters (read from any thread; single writer): ``received`` datagrams,
-    ``accepted`` records, ``dropped`` by reason (every reason, zeros too),
-    ``malformed_total`` and
-    ``dropped_total``. ``rcvbuf`` is the receive buffer the kernel granted,
+    Counters (read from any thread; single writer), all of records, not
+    datagrams: ``received`` (records that came in: a datagram's lines, blank
+    ones aside; a datagram too large to read counts one), ``accepted``,
+    ``dropped`` by reason (every reason, zeros too), ``malformed_total`` and
+    ``dropped_total``; ``received == accepted + dropped_total`` once the
+    thread has handed a datagram's records on. ``datagrams`` counts the
+    datagrams read. ``rcvbuf`` is the receive buffer the kernel granted,
     ``backlog`` the datagram queue length (see :data:`DEFAULT_BACKLOG`).
     ``socket_group`` (a gid) is given to the socket (and to its directory when
     the server creates it): with mode 0660, the members of that group may send.
@@ -257,6 +294,7 @@ class IngestServer:
         # it is not: then records are taken as sent (no check, no host_pid).
         self._trust_pid = trust_pid
         self.received = 0
+        self.datagrams = 0
         self.accepted = 0
         # Every reason is present from the start, so the dict never changes
         # size while another thread sums it.
@@ -284,7 +322,8 @@ class IngestServer:
         self._thread: threading.Thread | None = None
         self.closed = False
         self.restarts = 0  # times the receive loop died and was started again
-        self._inflight = False  # a datagram counted received, not yet accepted or dropped
+        # Records of the datagram in hand counted received, not yet accepted or dropped.
+        self._inflight = 0
 
     def _set_rcvbuf(self, size: int) -> None:
         try:
@@ -308,16 +347,17 @@ class IngestServer:
 
     def _run(self) -> None:
         # Supervised: a receive loop that dies (on_record raised, say) is
-        # logged, counted and started again; the datagram it held is counted
-        # as refused, so received == accepted + dropped still holds.
+        # logged, counted and started again; the records of the datagram it
+        # held not yet handed on are counted as refused, so received ==
+        # accepted + dropped still holds.
         while True:
             try:
                 self._loop()
                 return
             except Exception:
                 if self._inflight:
-                    self._inflight = False
-                    self.dropped[REFUSED] += 1
+                    self.dropped[REFUSED] += self._inflight
+                    self._inflight = 0
                 if self.closed:
                     return
                 self.restarts += 1
@@ -343,29 +383,35 @@ class IngestServer:
                         return
                     log.warning("ingest receive failed: %s", e)
                     break
-                self.received += 1
+                self.datagrams += 1
                 if mflags & socket.MSG_TRUNC or n > MAX_DATAGRAM:
+                    self.received += 1
                     self.dropped[TOO_LARGE] += 1
                     continue
-                rec, why = parse_datagram(bytes(view[:n]))
-                if rec is None:
-                    assert why is not None
-                    if not self.dropped[why]:
-                        log.warning("ingest: dropping datagram (%s); further ones counted", why)
-                    self.dropped[why] += 1
-                    continue
-                if not self._trust_pid and not self._credit(rec, sender_pid(anc)):
-                    continue
-                self._inflight = True
-                verdict = self._on_record(rec, n) if self._sized else self._on_record(rec)
-                if verdict is False or type(verdict) is str:
-                    self._inflight = False
-                    self._refuse(REFUSED if verdict is False else verdict)
-                    continue
-                self._inflight = False
-                self.accepted += 1
+                self._take(bytes(view[:n]), anc)
             if wake in ready:
                 return
+
+    def _take(self, data: bytes, anc: list[tuple[int, int, bytes]]) -> None:
+        """Hand on the records of one datagram, counting each."""
+        results, sizes = _parse_lines(data)
+        self.received += len(results)
+        self._inflight = len(results)
+        pid = None if self._trust_pid else sender_pid(anc)
+        for (rec, why), size in zip(results, sizes, strict=True):
+            # _inflight: this record and those after it; each settled below.
+            if rec is None:
+                assert why is not None
+                if not self.dropped[why]:
+                    log.warning("ingest: dropping record (%s); further ones counted", why)
+                self.dropped[why] += 1
+            elif self._trust_pid or self._credit(rec, pid):
+                verdict = self._on_record(rec, size) if self._sized else self._on_record(rec)
+                if verdict is False or type(verdict) is str:
+                    self._refuse(REFUSED if verdict is False else verdict)
+                else:
+                    self.accepted += 1
+            self._inflight -= 1
 
     def _refuse(self, why: Any) -> None:
         why = why if why in REFUSAL_REASONS else REFUSED

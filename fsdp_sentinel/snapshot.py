@@ -165,7 +165,7 @@ class Snapshot:
     """Everything a view needs; ``t`` is the newest record time seen.
 
     The pipeline fills the job's part; the daemon adds what only it knows:
-    ``ingest_messages_total`` (datagrams by result: ``accepted`` or a drop
+    ``ingest_messages_total`` (records by result: ``accepted`` or a drop
     reason), ``events_lost_total`` (kernel-side losses by source),
     ``bpf_programs`` and, from the remediator, ``remediation``.
     """

@@ -1,4 +1,8 @@
-"""The emitter: datagrams to a real AF_UNIX socket; drops and counts, never blocks."""
+"""The emitter: datagrams to a real AF_UNIX socket; drops and counts, never blocks.
+
+A drain goes as JSON lines packed into as few datagrams as fit
+(``MAX_DATAGRAM``); ``sent`` and ``dropped`` count records, ``datagrams``
+datagrams."""
 
 from __future__ import annotations
 
@@ -31,22 +35,51 @@ def receiver(sock_path: str) -> Iterator[socket.socket]:
     s.close()
 
 
-def drain(s: socket.socket) -> list[dict[str, object]]:
+def datagrams(s: socket.socket) -> list[bytes]:
     out = []
     while True:
         try:
-            out.append(json.loads(s.recv(MAX_DATAGRAM + 1)))
+            out.append(s.recv(MAX_DATAGRAM + 1))
         except BlockingIOError:
             return out
 
 
-def test_delivers_each_record_as_one_datagram(sock_path: str, receiver: socket.socket) -> None:
-    with Emitter(sock_path) as em:
+def drain(s: socket.socket) -> list[dict[str, object]]:
+    return [json.loads(line) for d in datagrams(s) for line in d.split(b"\n")]
+
+
+def test_a_drain_goes_as_one_datagram_of_json_lines(
+    sock_path: str, receiver: socket.socket
+) -> None:
+    with Emitter(sock_path, flush_interval=3600) as em:
         for i in range(5):
             em.emit({**REC, "step": i})
         em.flush()
-        assert (em.sent, em.dropped) == (5, 0)
-    assert [r["step"] for r in drain(receiver)] == [0, 1, 2, 3, 4]
+        assert (em.sent, em.dropped, em.datagrams) == (5, 0, 1)
+    got = datagrams(receiver)
+    assert len(got) == 1 and not got[0].endswith(b"\n")
+    assert [json.loads(line)["step"] for line in got[0].split(b"\n")] == [0, 1, 2, 3, 4]
+
+
+def test_a_big_drain_is_packed_into_few_datagrams_under_the_cap(
+    sock_path: str, receiver: socket.socket
+) -> None:
+    # ~60 bytes a record, ~1,000 a datagram: 4 datagrams, within the
+    # receiver's queue (10 datagrams by default) and the sender's buffer.
+    n = 4000
+    with Emitter(sock_path, flush_interval=3600) as em:
+        em._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # type: ignore[union-attr]
+        for i in range(n):
+            em.emit({**REC, "step": i})
+        em.flush()
+        got = datagrams(receiver)
+        assert (em.sent, em.dropped) == (n, 0)
+        assert em.datagrams == len(got)
+    size = len(json.dumps({**REC, "step": n}, separators=(",", ":")))
+    assert len(got) <= -(-n * (size + 1) // MAX_DATAGRAM) + 1 < n / 500  # packed full
+    assert all(len(d) <= MAX_DATAGRAM for d in got)
+    assert all(len(d) > MAX_DATAGRAM - size - 1 for d in got[:-1])  # each one full
+    assert [json.loads(line)["step"] for d in got for line in d.split(b"\n")] == list(range(n))
 
 
 def test_no_daemon_drops_and_counts(tmp_path: Path) -> None:
@@ -81,7 +114,7 @@ def test_full_receiver_queue_drops_instead_of_blocking(
         assert em.sent > 0
         assert em.sent + em.dropped == n
         got = drain(receiver)
-        assert len(got) == em.sent
+        assert len(got) == em.sent  # a datagram refused drops every record it held
         # Once the queue has room again, records flow again at once.
         em.emit({**REC, "step": -1})
         em.flush()
@@ -186,6 +219,33 @@ def test_oversize_and_unencodable_records_are_dropped(
         em.flush()
         assert (em.sent, em.dropped, em.oversize) == (1, 2, 1)
     assert drain(receiver) == [REC]
+
+
+def test_a_record_that_fills_a_datagram_alone_goes_alone_and_its_neighbours_go(
+    sock_path: str, receiver: socket.socket
+) -> None:
+    blob = "x" * (MAX_DATAGRAM - len(json.dumps({**REC, "blob": ""}, separators=(",", ":"))))
+    just, too_big = {**REC, "blob": blob}, {**REC, "blob": blob + "x"}
+    with Emitter(sock_path, flush_interval=3600) as em:
+        em._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # type: ignore[union-attr]
+        for rec in ({**REC, "step": 1}, just, too_big, {**REC, "step": 2}):
+            em.emit(rec)
+        em.flush()
+        assert (em.sent, em.dropped, em.oversize, em.datagrams) == (3, 1, 1, 3)
+    got = datagrams(receiver)
+    assert [len(d) for d in got][1] == MAX_DATAGRAM
+    assert [json.loads(d) for d in got] == [{**REC, "step": 1}, just, {**REC, "step": 2}]
+
+
+def test_close_sends_everything_pending(sock_path: str, receiver: socket.socket) -> None:
+    em = Emitter(sock_path, flush_interval=3600)  # the thread never drains by itself
+    for i in range(2000):
+        em.emit({**REC, "step": i})
+    assert em.sent == 0
+    em.close()
+    assert (em.sent, em.dropped) == (2000, 0)
+    assert 1 <= em.datagrams < 10
+    assert [r["step"] for r in drain(receiver)] == list(range(2000))
 
 
 def test_trace_out_keeps_every_record_even_without_daemon(tmp_path: Path) -> None:

@@ -194,7 +194,7 @@ WORKER = NET + textwrap.dedent(
 
 @pytest.fixture
 def listener(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """A daemon stand-in: a thread that reads datagrams into a list."""
+    """A daemon stand-in: a thread that reads datagrams (a record a line) into a list."""
     path = str(tmp_path / "ingest.sock")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(path)
@@ -205,7 +205,7 @@ def listener(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     def loop() -> None:
         while not stop.is_set():
             try:
-                got.append(json.loads(s.recv(70_000)))
+                got.extend(json.loads(line) for line in s.recv(70_000).split(b"\n"))
             except TimeoutError:
                 continue
 

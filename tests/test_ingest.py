@@ -15,7 +15,7 @@ import pytest
 from daemon_support import wait_for
 
 from fsdp_sentinel.emit import Emitter
-from fsdp_sentinel.ingest import IngestServer
+from fsdp_sentinel.ingest import IngestServer, parse_lines
 
 Record = dict[str, Any]
 
@@ -223,3 +223,97 @@ def test_queue_length_sysctl_is_restored(sock_path, tmp_path) -> None:
     with IngestServer(sock_path, lambda rec: None, backlog=2048, qlen_sysctl=str(fake)) as srv:
         assert srv.backlog == 2048
     assert fake.read_text().strip() == "10"
+
+
+def lines(*recs: Record) -> bytes:
+    return b"\n".join(json.dumps(r).encode() for r in recs)
+
+
+def test_a_datagram_of_json_lines_is_one_record_a_line(server, sender, sock_path) -> None:
+    srv, got = server
+    sent = [step(r, n) for n in range(30) for r in range(4)]
+    sender.sendto(lines(*sent), str(sock_path))
+    sender.sendto(json.dumps(step(9, 0)).encode() + b"\n", str(sock_path))  # one, newline-ended
+    wait_for(lambda: len(got) == len(sent) + 1)
+    assert got == [by_us(r) for r in [*sent, step(9, 0)]]
+    assert (srv.datagrams, srv.received, srv.accepted) == (2, len(sent) + 1, len(sent) + 1)
+    assert srv.dropped_total == 0
+
+
+def test_a_bad_line_drops_only_itself_counted_by_its_reason(server, sender, sock_path) -> None:
+    srv, got = server
+    data = b"\n".join([
+        json.dumps(step(0, 1)).encode(),
+        b'{"kind": "step", "rank": 0',  # broken JSON
+        b"",  # a blank line: skipped, not a record
+        b'{"kind": "step", "rank": 0, "step": 1, "start": 1.0}',  # missing "end"
+        b'{"kind": "header", "format": "fsdp-sentinel-trace", "version": 1}',  # reserved
+        b'{"kind":"step","rank":0,"step":1000000000000,"start":1.0,"end":2.0}',  # bad value
+        json.dumps(step(0, 2)).encode(),
+    ])  # fmt: skip
+    sender.sendto(data, str(sock_path))
+    wait_for(lambda: srv.received == 6 and len(got) == 2)
+    assert got == [by_us(step(0, 1)), by_us(step(0, 2))]
+    assert {why: n for why, n in srv.dropped.items() if n} == {
+        "invalid_json": 1,
+        "missing_field": 1,
+        "reserved_kind": 1,
+        "bad_value": 1,
+    }
+    assert srv.received == srv.accepted + srv.dropped_total == 6
+
+
+def test_parse_lines_rules() -> None:
+    a, b = step(0, 1), step(0, 2)
+    assert parse_lines(lines(a, b)) == [(a, None), (b, None)]
+    assert parse_lines(lines(a) + b"\n") == [(a, None)]  # a newline at the end: one record
+    assert parse_lines(lines(a, b) + b"\n\r\n \n") == [(a, None), (b, None)]
+    assert parse_lines(json.dumps(a, indent=1).encode()) == [(a, None)]  # pretty-printed: one
+    assert parse_lines(b"") == [(None, "invalid_json")]
+    assert parse_lines(b"\n \n") == [(None, "invalid_json")]  # nothing but blank lines
+    assert parse_lines(lines(a) + b"\n[1]\n{") == [(a, None), (None, "not_object"),
+                                                   (None, "invalid_json")]  # fmt: skip
+
+
+def test_each_record_of_a_datagram_is_sized_by_its_line(sock_path, sender) -> None:
+    got: list[tuple[Record, int]] = []
+    with IngestServer(sock_path, lambda rec, n: got.append((rec, n)), sized=True) as srv:
+        recs = [step(0, 1), {**step(0, 2), "pad": "x" * 100}]
+        sender.sendto(lines(*recs), str(sock_path))
+        one = json.dumps(step(0, 3)).encode()
+        sender.sendto(one, str(sock_path))
+        wait_for(lambda: srv.received == 3)
+    assert [n for _, n in got] == [len(json.dumps(r)) for r in recs] + [len(one)]
+
+
+def test_a_dead_loop_mid_datagram_counts_the_rest_refused(sock_path, sender) -> None:
+    got: list[Record] = []
+
+    def on_record(rec: Record) -> None:
+        if rec["step"] == 2:
+            raise RuntimeError("a bug downstream")
+        got.append(rec)
+
+    with IngestServer(sock_path, on_record) as srv:
+        sender.sendto(lines(*(step(0, n) for n in range(1, 6))), str(sock_path))
+        sender.sendto(lines(step(0, 6)), str(sock_path))
+        wait_for(lambda: len(got) == 2)
+        assert [r["step"] for r in got] == [1, 6]
+        assert srv.restarts == 1
+        assert srv.dropped["refused"] == 4  # the one that raised, the three after it
+        assert srv.received == srv.accepted + srv.dropped_total == 6
+
+
+def test_the_emitter_s_packed_drains_arrive_whole(sock_path) -> None:
+    got: list[Record] = []
+    with IngestServer(sock_path, got.append) as srv:
+        em = Emitter(str(sock_path), flush_interval=3600)
+        sent = [step(r, n) for n in range(500) for r in range(4)]
+        for rec in sent:
+            em.emit(rec)
+        em.close()
+        assert (em.sent, em.dropped) == (len(sent), 0)
+        assert em.datagrams < len(sent) / 100
+        wait_for(lambda: len(got) == len(sent))
+        assert got == [by_us(r) for r in sent]
+        assert (srv.datagrams, srv.received) == (em.datagrams, len(sent))

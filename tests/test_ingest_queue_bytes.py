@@ -103,3 +103,31 @@ def test_records_past_the_count_cap_have_their_own_reason(tmp_path: Path) -> Non
         assert em.dropped == 0  # the sender's datagrams were all taken by the kernel
     finally:
         d.close()
+
+
+def test_the_byte_cap_counts_each_line_of_a_packed_datagram(tmp_path: Path) -> None:
+    cap = 64 * 1024
+    cfg = DaemonConfig(socket_path=str(tmp_path / "run" / "ingest.sock"), metrics_addr=None,
+                       interval=0.05, queue_max_bytes=cap, trust_record_pid=True)  # fmt: skip
+    d = Daemon(cfg, pipeline=Pipeline(), wall_clock=None)
+    d.start()
+    try:
+        lines = [_step(i, 2000) for i in range(60)]  # ~2 KiB each, 30 to a datagram
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"\n".join(lines[:30]), cfg.socket_path)
+            s.sendto(b"\n".join(lines[30:]), cfg.socket_path)
+        _settled(d, 60)
+        ing = d.ingest
+        assert ing is not None
+        kept = n = 0
+        for line in lines:  # each line weighs its own bytes, newline not counted
+            if kept + len(line) > cap:
+                break
+            kept += len(line)
+            n += 1
+        assert 30 < n < 60
+        assert d.queued_bytes == kept <= cap
+        assert (ing.accepted, ing.dropped[QUEUE_BYTES]) == (n, 60 - n)
+        assert ing.received == ing.accepted + ing.dropped_total == 60
+    finally:
+        d.close()
