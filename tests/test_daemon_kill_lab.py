@@ -24,7 +24,11 @@ NAME = "fss-dkl"
 
 
 def test_a_sigkilled_daemon_is_replaced_and_training_never_stops(tmp_path: Path) -> None:
-    cfg = KillConfig(out=tmp_path, lab_name=NAME, noisy=True, steps=44, kill_step=14,
+    # 64 steps: on a slow machine the new daemon was seen to be ready only at
+    # step 34-35, after the straggler began; 44 steps left it 9-10 steps, at
+    # the edge of the compute rule's warm-up. The job now runs long enough
+    # after any restart seen here for the rule to judge.
+    cfg = KillConfig(out=tmp_path, lab_name=NAME, noisy=True, steps=64, kill_step=14,
                      straggler_step=26, straggler_s=0.4)  # fmt: skip
     try:
         f = run_daemon_kill(cfg)
