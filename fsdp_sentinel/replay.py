@@ -13,6 +13,7 @@ input of a few MB or more shows a progress line on stderr (records/s, ETA).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -75,6 +76,30 @@ def replay_readers(
     readers: Sequence[trace.TraceReader], pipe: Feeder, bar: ProgressLine | None = None
 ) -> Iterator[Record]:
     """Verdict records from feeding the merged ``readers`` to ``pipe`` (``bar``: progress)."""
+    # The cyclic collector's young generation is made roomier for the replay:
+    # a step's summary and judgement build a few objects per rank that live
+    # until the next step, so at the default threshold (700) a 4,096-rank
+    # replay ran ~3,000 collections, two dozen of them full ones over the whole
+    # heap, a quarter of its time (BENCHMARKS.md, issue 12, session 15). The
+    # pipeline's garbage is freed by reference counts; what sits in cycles
+    # waits a little longer. Restored when the replay ends.
+    thresholds = gc.get_threshold()
+    if thresholds[0] < REPLAY_GC_THRESHOLD:
+        gc.set_threshold(REPLAY_GC_THRESHOLD, *thresholds[1:])
+    try:
+        yield from _replay(readers, pipe, bar)
+    finally:
+        if gc.get_threshold()[0] == REPLAY_GC_THRESHOLD:
+            gc.set_threshold(*thresholds)
+
+
+#: The young-generation threshold replay runs the cyclic collector with.
+REPLAY_GC_THRESHOLD = 100_000
+
+
+def _replay(
+    readers: Sequence[trace.TraceReader], pipe: Feeder, bar: ProgressLine | None
+) -> Iterator[Record]:
     # The pipeline ignores header, verdict and action records by itself, so a
     # single file needs no merge and no filter in between (the hot loop): its
     # records go a list at a time to a feeder that takes lists (the same
