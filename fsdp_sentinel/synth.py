@@ -77,6 +77,20 @@ class SlowLink:
 
 
 @dataclass(frozen=True)
+class WaitingPeer:
+    """Rank ``rank`` waits on a lossy peer's retransmits during steps [start, end):
+    while it waits it reads none of its other sockets, the kernel delays the
+    ACKs of the data queued there, and every flow touching it shows
+    ``srtt_factor`` x srtt, though nothing of its own is slow (seen in lab
+    packet-loss runs: the lossy host's ring neighbour at 1.3-1.9x). No straggler."""
+
+    rank: int
+    srtt_factor: float
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class SlowDrift:
     """Rank ``rank`` ages: its compute slows linearly from 1x at step ``start`` to
     ``final`` x at step ``end``, and stays there (a throttling GPU, a failing DIMM)."""
@@ -595,6 +609,12 @@ def generate(scn: Scenario) -> tuple[list[Record], dict[str, Any]]:
                         ):
                             f *= x.srtt_factor
                         if isinstance(x, FabricSlow) and x.start <= s < x.end:
+                            f *= x.srtt_factor
+                        if (
+                            isinstance(x, WaitingPeer)
+                            and x.start <= s < x.end
+                            and x.rank in (r, peer)
+                        ):
                             f *= x.srtt_factor
                         if (
                             isinstance(x, SlowLink)

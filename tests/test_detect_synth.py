@@ -361,3 +361,40 @@ def test_a_lossy_host_that_loses_all_along_is_still_flagged_network() -> None:
     flag = next(v for v in verdicts if v["state"] == "flagged")
     assert (flag["rank"], flag["cause"], flag["evidence"]["by"]) == (1, "network", "retrans")
     assert flag["step"] - 10 <= 3
+
+
+@pytest.mark.parametrize("seed", [100, 103, 107])
+def test_a_lossy_hosts_waiting_neighbour_is_no_second_network_straggler(seed: int) -> None:
+    # The CI packet-loss run that flagged rank 1 beside the lossy rank 2: rank 1
+    # waits on rank 2's retransmits, and its delayed ACKs put every flow
+    # touching it at 1.64x srtt (1878 vs 1146 us). The lossy host is the one.
+    scn = S.Scenario(
+        seed=seed,
+        srtt_us=1200.0,
+        faults=(
+            S.SlowNetwork(2, 2.0, 10, 30, 1.1, retrans_per_s=30.0),
+            S.WaitingPeer(1, 1.65, 12, 30),
+        ),
+        **REAL,
+    )
+    verdicts, truth, _ = run(scn)
+    assert judge(verdicts, truth).ok, verdicts
+    flagged = [(v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged"]
+    assert flagged == [(2, "network")]
+
+
+def test_a_real_second_slow_node_beside_a_lossy_one_is_still_flagged() -> None:
+    # Queueing of milliseconds (3.5x srtt) on another host is no waiter's delayed ACK.
+    scn = S.Scenario(
+        seed=100,
+        srtt_us=1200.0,
+        faults=(
+            S.SlowNetwork(2, 2.0, 10, 40, 1.1, retrans_per_s=30.0),
+            S.SlowNetwork(0, 2.0, 18, 40),
+        ),
+        **REAL,
+        steps=40,
+    )
+    verdicts, truth, _ = run(scn)
+    flagged = sorted((v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged")
+    assert flagged == [(0, "network"), (2, "network")], verdicts

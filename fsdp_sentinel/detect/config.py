@@ -128,11 +128,13 @@ class NetworkConfig(_Checked):
     (strong evidence: found a few samples before the window's median moves)."""
 
     explained_excess_us: float = 1000.0
-    """While another rank is flagged ``compute`` (late: the others wait for
-    it), a new network candidate also needs its flows' srtt this many
-    microseconds above the others': the waiting ranks' flows then carry only
-    the host's scheduling noise (seen: 230 vs 380 us on a loopback job), while
-    a second, real network straggler adds queueing of milliseconds."""
+    """While another rank explains the job's stretch (flagged ``compute`` or
+    ``network``, or the one the window's retransmits localise to), a new
+    network candidate also needs its flows' srtt this many microseconds above
+    the others': the ranks waiting on it show only their delayed ACKs (seen:
+    230 vs 380 us beside a late rank on a loopback job; 1.1 vs 1.9 ms on a
+    lossy host's ring neighbour in the lab), while a second, real network
+    straggler adds queueing of milliseconds (4-6 ms at 150 Mbit/s)."""
 
     net_hold_ratio: float = 1.25
     """A rank flagged ``network`` stays so while its score holds this much

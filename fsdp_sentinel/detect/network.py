@@ -491,6 +491,25 @@ def excess_us(rank: int, net: NetView) -> float:
     return touching - others
 
 
+def score_of(rank: int, net: NetView) -> float:
+    """The score of the case against ``rank``: its link's, when it carries a link
+    verdict and is no node, else its node score."""
+    link = net.links.get(rank) if rank not in net.node else None
+    return link[2] if link is not None else net.ratio.get(rank, 1.0)
+
+
+def stands_beside(rank: int, net: NetView, cfg: NetworkConfig) -> bool:
+    """Does the case against ``rank`` stand beside another rank that explains the job's
+    stretch already (late, or lossy)? The ranks waiting on that one show their
+    delayed ACKs, up to ~1.9x srtt and ~1.3 ms above the others' in the lab,
+    so both the queueing (``explained_excess_us``) and the score
+    (``net_fast_ratio``, strong evidence) must exceed what waiting shows."""
+    return (
+        excess_us(rank, net) >= cfg.explained_excess_us
+        and score_of(rank, net) >= cfg.net_fast_ratio
+    )
+
+
 def is_candidate(rank: int, net: NetView, held: bool, cfg: NetworkConfig) -> bool:
     """Does the view blame ``rank``: as a node, or as the carrier of a link? (the job's
     stretch is checked by the caller). ``held``: it is flagged ``network`` already,
@@ -524,14 +543,14 @@ def evidence(
     rank = rs.rank
     ratio = net.ratio.get(rank, 1.0)
     link = net.links.get(rank) if rank not in net.node else None
+    score = score_of(rank, net)
     peer: int | None
     if link is not None:
-        peer, why, score = link
+        peer, why, _ = link
         a, b = min(rank, peer), max(rank, peer)
         carried = [p for p in net.touching.get(rank, []) if {p.rank, p.peer} == {a, b}]
     else:
         why = net.node.get(rank, "srtt")
-        score = ratio
         carried = list(net.touching.get(rank, []))
         peer = worst_peer(net, rank) if carried else None
     carried.sort(key=lambda p: (-_srtt(p), -p.retrans, p.rank, p.peer))
