@@ -640,6 +640,11 @@ class TraceWriter:
                     self._fail(e)
 
     def _sync_locked(self) -> None:
+        # The interval runs from cut to cut (what reaches the OS), not from the
+        # end of the fsync: a crash loses what came after the last flush, so
+        # an fsync that takes 50 ms on a busy disk must not stretch what a
+        # crash can lose past ``sync_interval``.
+        self._last_sync = self._clock()
         if self._zst:
             # End the frame so everything so far is decodable after a crash.
             self._end_frame()
@@ -651,7 +656,6 @@ class TraceWriter:
             # synced; what was flushed to it is all there is to keep.
             if e.errno not in (errno.EINVAL, errno.EROFS, errno.ENOTSUP):
                 raise
-        self._last_sync = self._clock()
 
     def close(self) -> None:
         with self._lock:
