@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .sockdiag import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, nl_messages, open_in_namespace
+from .sockdiag import dump_request, nl_dump, open_in_namespace
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ RTM_NEWLINK, RTM_GETLINK = 16, 18
 RTM_NEWQDISC, RTM_GETQDISC = 36, 38
 IFLA_IFNAME, IFLA_STATS64 = 3, 23
 TCA_STATS2, TCA_STATS_QUEUE = 7, 3
-_NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 _IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
 _TCMSG = struct.Struct("=BxxxiIII")  # family, ifindex, handle, parent, info
 _RTATTR = struct.Struct("=HH")  # len, type
@@ -135,14 +134,7 @@ def sample_link(stats: dict[str, int], queues: list[tuple[int, int, int]]) -> De
 
 def dump(sock: socket.socket, msg_type: int, body: bytes, seq: int) -> Iterator[tuple[int, bytes]]:
     """Send one rtnetlink dump request; (type, payload) of every reply message."""
-    sock.send(
-        _NLMSG.pack(_NLMSG.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
-    )
-    while True:
-        for kind, payload in nl_messages(sock.recv(1 << 17)):
-            if kind == NLMSG_DONE:
-                return
-            yield kind, payload
+    return nl_dump(sock, dump_request(msg_type, body, seq), 1 << 17)
 
 
 class DeviceStats:

@@ -298,9 +298,7 @@ class ProbeSet:
                 continue
             self.evictions.harvest(name, sum(1 for _ in _drain(table, self._batch)))
         if "tcp" in self.config.families:  # bytes already counted are the baseline
-            hot = self._hot.read() if self._hot is not None else {}
-            socks = {_int(k): v for k, v in _read_all(self._bpf[b"socks"], self._batch)}
-            self._owner_bytes(socks, hot)
+            self._owner_bytes(*self._read_socks(self._bpf, self._batch))
         self._last_t = self._clock()
         self._stats = self._read_stats()
         if "tcp" in self.config.families:
@@ -516,15 +514,8 @@ class ProbeSet:
         return out
 
     def _poll_tcp(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
-        # The hot slots before socks, socks before closed (tcp_flows.c frees
-        # a slot only after socks lost its socket): each byte counts once.
-        hot = self._hot.read() if self._hot is not None else {}
-        socks: dict[int, Any] = {}
-        by_tuple: dict[R.Tuple, Any] = {}
-        for k, v in _read_all(b[b"socks"], batch):
-            socks[_int(k)] = v
-            if v.known:
-                by_tuple[_tuple(v.t)] = v
+        socks, hot = self._read_socks(b, batch)
+        by_tuple: dict[R.Tuple, Any] = {_tuple(v.t): v for v in socks.values() if v.known}
         # socks is not drained: what it lost to the LRU is what was created
         # minus what the kernel deleted minus what is still there.
         self.evictions.harvested["socks"] = self._stat(STAT_SOCK_DEL) + len(socks)
@@ -549,6 +540,16 @@ class ProbeSet:
         out = R.flow_records(flows, now, dt, host)
         out += self._conn_records(b, batch, now, host, socks, owners)
         return out
+
+    def _read_socks(
+        self, b: Any, batch: bool
+    ) -> tuple[dict[int, Any], dict[int, tuple[int, int, int]]]:
+        """``(socks, hot)`` for :meth:`_owner_bytes`: the hot slots read before
+        socks, as socks is before closed (tcp_flows.c frees a slot only after
+        socks lost its socket, and folds it into closed first): each byte
+        counts once."""
+        hot = self._hot.read() if self._hot is not None else {}
+        return {_int(k): v for k, v in _read_all(b[b"socks"], batch)}, hot
 
     def _owner_bytes(
         self, socks: dict[int, Any], hot: dict[int, tuple[int, int, int]]

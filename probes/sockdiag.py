@@ -108,15 +108,15 @@ class DiagSocket:
     rqueue: int = 0  # rcv_nxt - copied_seq: received, not read by the process (FIN included)
 
 
+def dump_request(msg_type: int, body: bytes, seq: int) -> bytes:
+    """A netlink dump request: the header for ``msg_type`` and ``seq``, then ``body``."""
+    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
+
+
 def request(family: int, seq: int = 1) -> bytes:
     """A dump request for every TCP socket of ``family`` with tcp_info."""
     body = _REQ.pack(family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), TCP_STATES)
-    return (
-        _NLMSG.pack(
-            _NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0
-        )
-        + body
-    )
+    return dump_request(SOCK_DIAG_BY_FAMILY, body, seq)
 
 
 def _is_v4mapped(a: bytes) -> bool:
@@ -218,17 +218,33 @@ def nl_messages(data: bytes) -> Iterator[tuple[int, bytes]]:
         off += (length + 3) & ~3
 
 
+def nl_dump(
+    sock: socket.socket, message: bytes, bufsize: int = 1 << 16
+) -> Iterator[tuple[int, bytes]]:
+    """Send one netlink dump request ``message`` (:func:`dump_request`); (type,
+    payload) of every reply message up to NLMSG_DONE. The one dump loop of
+    sock_diag here and of rtnetlink (``devstats``).
+
+    Raises OSError on a netlink error message (its errno)."""
+    sock.send(message)
+    while True:
+        for kind, payload in nl_messages(sock.recv(bufsize)):
+            if kind == NLMSG_DONE:
+                return
+            yield kind, payload
+
+
 def dump(
     sock: socket.socket, families: Iterable[int] = (socket.AF_INET, socket.AF_INET6)
 ) -> list[DiagSocket]:
     """Every TCP socket with tcp_info that ``sock``'s namespace holds."""
     out: list[DiagSocket] = []
     for seq, family in enumerate(families, start=1):
-        sock.send(request(family, seq))
-        done = False
-        while not done:
-            got, done = parse_dump(sock.recv(1 << 16))
-            out += got
+        for kind, body in nl_dump(sock, request(family, seq)):
+            if kind == SOCK_DIAG_BY_FAMILY:
+                sk = _decode(body)
+                if sk is not None:
+                    out.append(sk)
     return out
 
 
