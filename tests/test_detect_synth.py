@@ -363,19 +363,23 @@ def test_a_lossy_host_that_loses_all_along_is_still_flagged_network() -> None:
     assert flag["step"] - 10 <= 3
 
 
+LOSSY = {
+    "node": S.SlowNetwork(2, 2.0, 10, 30, 1.1, retrans_per_s=30.0),
+    "link": S.SlowLink(2, 3, 2.0, 10, 30, 1.1, retrans_per_s=30.0),
+}
+
+
 @pytest.mark.parametrize("seed", [100, 103, 107])
-def test_a_lossy_hosts_waiting_neighbour_is_no_second_network_straggler(seed: int) -> None:
+@pytest.mark.parametrize("where", sorted(LOSSY))
+def test_a_lossy_hosts_waiting_neighbour_is_no_second_network_straggler(
+    where: str, seed: int
+) -> None:
     # The CI packet-loss run that flagged rank 1 beside the lossy rank 2: rank 1
     # waits on rank 2's retransmits, and its delayed ACKs put every flow
-    # touching it at 1.64x srtt (1878 vs 1146 us). The lossy host is the one.
+    # touching it at 1.64x srtt (1878 vs 1146 us). The lossy host (or the
+    # lossy link, carried by rank 2) is the one.
     scn = S.Scenario(
-        seed=seed,
-        srtt_us=1200.0,
-        faults=(
-            S.SlowNetwork(2, 2.0, 10, 30, 1.1, retrans_per_s=30.0),
-            S.WaitingPeer(1, 1.65, 12, 30),
-        ),
-        **REAL,
+        seed=seed, srtt_us=1200.0, faults=(LOSSY[where], S.WaitingPeer(1, 1.65, 12, 30)), **REAL
     )
     verdicts, truth, _ = run(scn)
     assert judge(verdicts, truth).ok, verdicts

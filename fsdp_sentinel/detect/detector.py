@@ -101,16 +101,17 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         judge=(stretched_now and not stall_explained) or bool(flagged_net),
     )
     # Ranks that explain the job's stretch already: flagged (compute or
-    # network), or the one the view localises the retransmits to. The others
-    # wait for such a rank, and a waiting rank's flows take in its delayed
-    # ACKs (see stall_explains): scheduling noise beside a late rank (seen on
-    # a real 3-rank loopback job: 230 vs 380 us, "network" on the rank that
-    # waited most), 1.3-1.9x srtt on a lossy host's ring neighbour (lab
-    # packet-loss runs). A new network candidate beside one needs a case
+    # network), or the one the view localises the retransmits to (a node, or
+    # the rank that carries a link). The others wait for such a rank, and a
+    # waiting rank's flows take in its delayed ACKs (see stall_explains):
+    # scheduling noise beside a late rank (seen on a real 3-rank loopback
+    # job: 230 vs 380 us, "network" on the rank that waited most), 1.3-1.9x
+    # srtt on a lossy host's ring neighbour (lab packet-loss runs). A new network candidate beside one needs a case
     # stronger than waiting shows (network.stands_beside); an open network
     # verdict is still held or cleared as before.
     explainers = frozenset(r for r, tr in tracks.items() if tr.cause in ("compute", "network"))
     explainers |= frozenset(r for r, why in net.node.items() if why == "retrans")
+    explainers |= frozenset(a for a, (_b, why, _s) in net.links.items() if why == "retrans")
     warm = noise.warm(state.rel_noise, cfg)
     bar = noise.bar(state.rel_noise, cfg)
     low = max(cfg.baseline.min_effect, cfg.compute.sustained_share * bar)  # sustained bar
