@@ -76,6 +76,13 @@ CONN_POLLS = 3
 #: while one waits for a name (tcp_flows.c)
 NAMING_TRACEPOINT = "tcp:tcp_probe"
 TCP_CLOSE = 7  # the state of a socket in a destroy message
+#: a whole sock_diag read (every socket of every namespace) at least every
+#: this many polls; between them the sockets of interest (the probes know
+#: their 4-tuples, or their figures went to a registered process) are read
+#: by exact lookups: a dump walks the kernel's whole established-socket
+#: table, whose size follows the host's memory (~1 ms a walk for 262,144
+#: buckets here, two walks per namespace), a lookup costs one hash probe.
+DIAG_FULL_EVERY = 10
 
 
 class ProbePermissionError(RuntimeError):
@@ -230,6 +237,12 @@ class ProbeSet:
         self._hot: HotSlots | None = None
         # (namespace, cookie) -> the process a live socket's figures went to
         self._cookie_owner: dict[tuple[tuple[int, int], int], int] = {}
+        # The sockets the next poll may read by exact lookups (None: dump all).
+        self._diag_keep: dict[tuple[int, int], list[DiagSocket]] | None = None
+        self._diag_keep_tuples: set[R.Tuple] = set()
+        self._diag_pids: frozenset[int] = frozenset()
+        self._diag_age = 0  # polls since the last whole read
+        self.diag_reads = {"whole": 0, "lookup": 0}  # polls by how they read sock_diag
         self._owners = SocketOwners(self.config.proc_root)
         self._naming_on = False  # NAMING_TRACEPOINT attached now
         self.naming_polls = 0  # polls it stayed attached for (bench, tests)
@@ -529,7 +542,7 @@ class ProbeSet:
             fig, age = self._orphans.get(okey, (R.FlowFigures(), 0))
             fig.add(*_fields(v, "tx_bytes", "rx_bytes"))
             self._orphans[okey] = (fig, age)
-        diag = self._read_diag({tgid for tgid, _ in self._orphans})
+        diag = self._read_diag({tgid for tgid, _ in self._orphans}, by_tuple)
         self._name_orphans(b, socks, flows, by_tuple, diag)
         owners: dict[R.Tuple, int] = {}
         for pid, tup in flows:
@@ -537,6 +550,7 @@ class ProbeSet:
             if best is None or flows[(pid, tup)].tx_bytes > flows[(best, tup)].tx_bytes:
                 owners[tup] = pid
         self._add_tcp_info(flows, owners, by_tuple, diag)
+        self._keep_for_lookup(diag, by_tuple)
         out = R.flow_records(flows, now, dt, host)
         out += self._conn_records(b, batch, now, host, socks, owners)
         return out
@@ -587,12 +601,56 @@ class ProbeSet:
         self._sock_seen = now  # the rest closed or were evicted
         return flows
 
-    def _read_diag(self, extra_pids: set[int]) -> list[tuple[tuple[int, int], DiagSocket]]:
+    def _read_diag(
+        self, extra_pids: set[int], by_tuple: dict[R.Tuple, Any]
+    ) -> list[tuple[tuple[int, int], DiagSocket]]:
         """Every TCP socket's tcp_info now, in the namespaces of the
-        registered processes and of ``extra_pids`` too (probes/sockdiag.py)."""
+        registered processes and of ``extra_pids`` too (probes/sockdiag.py);
+        or, when nothing new can be there, only the sockets of interest
+        (:meth:`_keep_for_lookup`). A whole read is due every
+        ``DIAG_FULL_EVERY`` polls, and whenever a socket may be new to it:
+        bytes wait for a name (``extra_pids``: orphans are named from it), the
+        probes know a 4-tuple it did not keep, or the registered set changed;
+        with no pid filter every socket is of interest."""
         if self._sockdiag is None:
             return []
-        return self._sockdiag.read(self._registered | extra_pids)
+        pids = self._registered | extra_pids
+        only = None
+        if (
+            self.config.pid_filter
+            and not extra_pids
+            and self._diag_keep is not None
+            and self._diag_age < DIAG_FULL_EVERY
+            and pids == self._diag_pids
+            and by_tuple.keys() <= self._diag_keep_tuples
+        ):
+            only = self._diag_keep
+            self._diag_age += 1
+            self.diag_reads["lookup"] += 1
+        else:
+            self._diag_age = 0
+            self.diag_reads["whole"] += 1
+        self._diag_pids = frozenset(pids)
+        return self._sockdiag.read(pids, only)
+
+    def _keep_for_lookup(
+        self, diag: list[tuple[tuple[int, int], DiagSocket]], by_tuple: dict[R.Tuple, Any]
+    ) -> None:
+        """The sockets the next poll may read by exact lookups: the live ones of
+        this read whose 4-tuple the probes know or whose figures went to a
+        registered process (the rest of a namespace is no one's of interest
+        until a whole read says otherwise)."""
+        keep: dict[tuple[int, int], list[DiagSocket]] = {}
+        tuples: set[R.Tuple] = set()
+        owned = self._cookie_owner
+        for ns, sk in diag:
+            if sk.state == TCP_CLOSE:
+                continue
+            tup = R.make_tuple(sk.family, sk.lport, sk.rport, sk.laddr, sk.raddr)
+            if tup in by_tuple or (ns, sk.cookie) in owned:
+                keep.setdefault(ns, []).append(sk)
+                tuples.add(tup)
+        self._diag_keep, self._diag_keep_tuples = keep, tuples
 
     def _name_orphans(
         self,
@@ -808,6 +866,12 @@ class ProbeSet:
                 "claimed": self._stat(STAT_HOT_CLAIM),
                 "stolen": self._stat(STAT_HOT_STEAL),
                 "mmap": self._hot.mapped if self._hot is not None else False,
+            },
+            "sock_diag": {
+                **self.diag_reads,
+                "dumps": self._sockdiag.dumps if self._sockdiag else 0,
+                "lookups": self._sockdiag.lookups if self._sockdiag else 0,
+                "lookup_fallbacks": self._sockdiag.lookup_fallbacks if self._sockdiag else 0,
             },
         }
 

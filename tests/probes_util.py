@@ -60,6 +60,14 @@ class Peer:
                 self.proc.wait()
 
 
+def release(*peers: Peer | None) -> None:
+    """Let every peer that started go on (``tell``) and end it."""
+    for p in peers:
+        if p is not None:
+            p.tell()
+            p.close()
+
+
 @dataclass
 class SsSocket:
     local: str

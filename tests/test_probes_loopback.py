@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from probes_util import Peer, ss_find
+from probes_util import Peer, release, ss_find
 
 from fsdp_sentinel.probes.loader import ProbeConfig, ProbeSet
 
@@ -88,10 +88,7 @@ def test_known_transfer_matches_sender_and_ss(probes: ProbeSet) -> None:
         hot = probes.stats()["hot_slots"]
         assert hot["mmap"] is True and hot["claimed"] >= 2, hot
     finally:
-        for p in (snd, rcv):
-            if p:
-                p.tell()
-                p.close()
+        release(snd, rcv)
     recs = probes.poll()
     opens = [r for r in recs if r["kind"] == "conn" and r["src"] == client]
     assert {r["what"] for r in opens} >= {"close"}
@@ -245,10 +242,7 @@ def test_pid_filter_counts_only_registered() -> None:
         recs = ps.poll()
         ps.unregister_pid(snd.pid)
     finally:
-        for p in (snd, rcv):
-            if p:
-                p.tell()
-                p.close()
+        release(snd, rcv)
         ps.close()
     flows = [r for r in recs if r["kind"] == "flow"]
     assert {r["pid"] for r in flows} == {snd.pid}

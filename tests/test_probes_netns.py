@@ -21,12 +21,13 @@ from probes_util import (
     lossy,
     nstat,
     proc_net_dev,
+    release,
     shaped,
     ss_find,
     two_namespaces,
 )
 
-from fsdp_sentinel.probes.loader import ProbeConfig, ProbeSet
+from fsdp_sentinel.probes.loader import DIAG_FULL_EVERY, ProbeConfig, ProbeSet
 
 pytestmark = [pytest.mark.kernel, pytest.mark.root, pytest.mark.lab]
 
@@ -79,10 +80,7 @@ def test_transfer_across_namespaces(lab: ProbeSet) -> None:
         recs += lab.poll()
         after = {DEV_A: proc_net_dev(DEV_A, NS_A), DEV_B: proc_net_dev(DEV_B, NS_B)}
     finally:
-        for p in (snd, rcv):
-            if p:
-                p.tell()
-                p.close()
+        release(snd, rcv)
     assert snd is not None
     tx = sum(r["tx_bytes"] for r in recs if r["kind"] == "flow" and r["src"] == client)
     rx = sum(r["rx_bytes"] for r in recs if r["kind"] == "flow" and r["src"] == server)
@@ -183,10 +181,7 @@ def lossy_run(lab: ProbeSet) -> dict:
             retrans_after = nstat("TcpRetransSegs", NS_A)
             skipped = {k: v - missed_before.get(k, 0) for k, v in lab.missed_events().items()}
         finally:
-            for p in (snd, rcv):
-                if p:
-                    p.tell()
-                    p.close()
+            release(snd, rcv)
     return {
         "recs": recs,
         "client": client,
@@ -255,3 +250,53 @@ def test_connections_closed_between_polls_keep_their_retransmits(lab: ProbeSet) 
     assert sum(r["retrans"] for r in flows) == want
     assert all("srtt_us" not in r for r in flows)  # closed: no path figures
     assert sorted(r["tx_bytes"] for r in flows) == [size + i for i in range(k)]
+
+
+def test_with_the_pid_filter_the_job_s_sockets_are_read_by_lookup_and_still_match(
+    lab: ProbeSet,
+) -> None:
+    """With the pid filter (the daemon's mode), polls between whole sock_diag
+    reads read the registered process's sockets by exact lookups: the
+    transfer's srtt still tracks `ss -ti` and its retransmits still equal
+    TcpRetransSegs, and most reads were lookups, not dumps."""
+    ps = ProbeSet(ProbeConfig(families=("tcp",), pid_filter=True))
+    ps.start()
+    with shaped(DEV_A, NS_A, "100mbit"), lossy(DEV_B, NS_B, 0.01):
+        rcv = Peer("recv", ADDR_B, str(PORT + 4), str(2 * N), netns=NS_B)
+        snd = None
+        try:
+            rcv.expect("listening")
+            before = nstat("TcpRetransSegs", NS_A)
+            snd = Peer("send", ADDR_B, str(PORT + 4), str(2 * N), "--cubic", netns=NS_A)
+            ps.register_pid(snd.pid)
+            client = f"{ADDR_A}:{snd.expect('port')}"
+            recs: list[dict] = []
+            ratios = []
+            polls = 0
+            while ss_find(client, NS_A).num("bytes_acked") <= 2 * N:
+                assert polls < 200, "transfer never fully acked"
+                time.sleep(0.25)
+                got = ps.poll()
+                ss_rtt_us = ss_find(client, NS_A).rtt_ms * 1000
+                polls += 1
+                recs += got
+                flow = [r for r in got if r["kind"] == "flow" and r["src"] == client]
+                if flow and "srtt_us" in flow[0]:
+                    ratios.append(flow[0]["srtt_us"] / ss_rtt_us)
+            snd.expect("sent")
+            time.sleep(0.3)  # a last retransmit's tracepoint lands before the poll
+            recs += ps.poll()
+            want = nstat("TcpRetransSegs", NS_A) - before
+            diag = ps.stats()["sock_diag"]
+        finally:
+            release(snd, rcv)
+            ps.close()
+    got_retrans = sum(r["retrans"] for r in recs if r["kind"] == "flow" and r["src"] == client)
+    assert want > 0, "the lossy link lost nothing: the oracle proves nothing"
+    assert got_retrans == want, (got_retrans, want, diag)
+    # Whole reads: the first poll, one a socket waited for its name, then one
+    # every DIAG_FULL_EVERY polls; every other poll looked the sockets up.
+    assert diag["lookup"] >= polls - 2 - polls // DIAG_FULL_EVERY, (diag, polls)
+    assert diag["lookups"] >= diag["lookup"] and diag["lookup_fallbacks"] == 0, diag
+    assert len(ratios) >= 4, ratios
+    assert abs(statistics.median(ratios) - 1.0) <= 0.2, ratios

@@ -2,10 +2,12 @@
 
 The fixture is a real inet_diag dump of one loopback connection, captured
 beside `ss -tnie` at the same instant (sockdiag_loopback.ss.txt): the decoded
-figures must be those ss printed from the same replies."""
+figures must be those ss printed from the same replies. One test (marked
+``kernel``) asks the running kernel for exact lookups of its own sockets."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import re
@@ -173,3 +175,55 @@ def test_destroy_listener_drain_decodes_every_queued_message() -> None:
     assert overflows == 0
     assert [(sk.cookie, sk.total_retrans) for sk in got] == [(11, 4), (12, 3)]
     assert (got[0].bytes_sent, got[0].bytes_retrans) == (5000, 1000)
+
+
+def test_a_lookup_request_names_one_socket_by_4_tuple_and_cookie() -> None:
+    sk = D.DiagSocket(2, b"\x7f\0\0\x01", 4242, b"\xc6\x12\0\x02", 80, 0x1122334455667788,
+                      0, 0, 1, 0, 0, 0, 0, 0, None)  # fmt: skip
+    msg = D.lookup_request(sk, 7)
+    length, kind, flags, seq, _ = struct.unpack_from("=IHHII", msg)
+    assert (length, kind, seq) == (len(msg), D.SOCK_DIAG_BY_FAMILY, 7)
+    assert flags == D.NLM_F_REQUEST  # one answer, no dump
+    body = msg[16:]
+    assert len(body) == 56 and body[0] == socket.AF_INET and body[1] == socket.IPPROTO_TCP
+    assert struct.unpack_from(">HH", body, 8) == (4242, 80)
+    assert body[12:16] == sk.laddr and body[28:32] == sk.raddr
+    assert struct.unpack_from("=Q", body, 48)[0] == sk.cookie
+
+
+@pytest.mark.kernel
+def test_lookups_return_what_the_dump_does_and_none_once_a_socket_is_gone() -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    ends = []
+    try:
+        for _ in range(3):
+            c = socket.create_connection(srv.getsockname())
+            a, _ = srv.accept()
+            c.sendall(b"x" * 1000)
+            a.recv(1000)
+            ends += [c, a]
+        sock = D.open_in_namespace(None)
+        ports = {e.getsockname()[1] for e in ends}
+        mine = [sk for sk in D.dump(sock) if sk.lport in ports and sk.rport in ports]
+        assert len(mine) == 6
+        got = D.lookup(sock, mine)
+        assert got is not None
+        assert [(g.lport, g.rport, g.cookie, g.bytes_acked) for g in got] == [
+            (m.lport, m.rport, m.cookie, m.bytes_acked) for m in mine
+        ]
+        # Another socket's cookie on the same 4-tuple: not it.
+        assert D.lookup(sock, [dataclasses.replace(mine[0], cookie=mine[0].cookie ^ 1)]) is None
+        ends[0].close()
+        ends[1].close()
+        assert D.lookup(sock, mine) is None
+        # Nothing of the failed lookups is left to spoil the next dump.
+        left = [sk for sk in D.dump(sock) if sk.lport in ports and sk.rport in ports]
+        assert {sk.cookie for sk in left} <= {m.cookie for m in mine}
+        assert all(type(sk) is D.DiagSocket for sk in left)
+        sock.close()
+    finally:
+        for e in ends:
+            e.close()
+        srv.close()
