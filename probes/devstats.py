@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .sockdiag import dump_request, nl_dump, open_in_namespace
+from .sockdiag import nl_dump, nl_request, open_in_namespace
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def sample_link(stats: dict[str, int], queues: list[tuple[int, int, int]]) -> De
 
 def dump(sock: socket.socket, msg_type: int, body: bytes, seq: int) -> Iterator[tuple[int, bytes]]:
     """Send one rtnetlink dump request; (type, payload) of every reply message."""
-    return nl_dump(sock, dump_request(msg_type, body, seq), 1 << 17)
+    return nl_dump(sock, nl_request(msg_type, body, seq), 1 << 17)
 
 
 class DeviceStats:

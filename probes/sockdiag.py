@@ -70,7 +70,8 @@ TCP_STATES = sum(1 << s for s in (1, 2, 4, 5, 8, 9, 11))
 _NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 # inet_diag_req_v2: family, protocol, ext, pad, states, then inet_diag_sockid
 # (sport, dport big-endian, src[16], dst[16], if, cookie[2]): 56 bytes.
-_REQ = struct.Struct("=BBBxI48x")
+_REQ_HEAD = struct.Struct("=BBBxI")  # family, protocol, ext, pad, states
+_REQ = struct.Struct(_REQ_HEAD.format + "48x")  # a dump's: any socket
 # inet_diag_msg (72 bytes): family, state, timer, retrans; sockid (sport,
 # dport big-endian at 4, src at 8, dst at 24, if, cookie at 44); expires,
 # rqueue, wqueue, uid at 64, inode at 68; then attributes.
@@ -108,15 +109,18 @@ class DiagSocket:
     rqueue: int = 0  # rcv_nxt - copied_seq: received, not read by the process (FIN included)
 
 
-def dump_request(msg_type: int, body: bytes, seq: int) -> bytes:
-    """A netlink dump request: the header for ``msg_type`` and ``seq``, then ``body``."""
-    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
+def nl_request(
+    msg_type: int, body: bytes, seq: int, flags: int = NLM_F_REQUEST | NLM_F_DUMP
+) -> bytes:
+    """A netlink request (a dump unless ``flags`` says otherwise): the header for
+    ``msg_type`` and ``seq``, then ``body``."""
+    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, flags, seq, 0) + body
 
 
 def request(family: int, seq: int = 1) -> bytes:
     """A dump request for every TCP socket of ``family`` with tcp_info."""
     body = _REQ.pack(family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), TCP_STATES)
-    return dump_request(SOCK_DIAG_BY_FAMILY, body, seq)
+    return nl_request(SOCK_DIAG_BY_FAMILY, body, seq)
 
 
 _SOCKID_PORTS = struct.Struct(">HH")  # inet_diag_sockid: sport, dport (big-endian)
@@ -132,13 +136,13 @@ def lookup_request(sk: DiagSocket, seq: int) -> bytes:
     table (262,144 buckets on this 24 GiB machine, ~1 ms a walk; the table
     grows with the host's memory, not with its sockets)."""
     body = (
-        _REQ.pack(sk.family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), TCP_STATES)[:8]
+        _REQ_HEAD.pack(sk.family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), TCP_STATES)
         + _SOCKID_PORTS.pack(sk.lport, sk.rport)
         + sk.laddr.ljust(16, b"\0")
         + sk.raddr.ljust(16, b"\0")
         + _SOCKID_TAIL.pack(0, sk.cookie)
     )
-    return _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body
+    return nl_request(SOCK_DIAG_BY_FAMILY, body, seq, NLM_F_REQUEST)
 
 
 def _is_v4mapped(a: bytes) -> bool:
@@ -243,7 +247,7 @@ def nl_messages(data: bytes) -> Iterator[tuple[int, bytes]]:
 def nl_dump(
     sock: socket.socket, message: bytes, bufsize: int = 1 << 16
 ) -> Iterator[tuple[int, bytes]]:
-    """Send one netlink dump request ``message`` (:func:`dump_request`); (type,
+    """Send one netlink dump request ``message`` (:func:`nl_request`); (type,
     payload) of every reply message up to NLMSG_DONE. The one dump loop of
     sock_diag here and of rtnetlink (``devstats``).
 
@@ -449,7 +453,7 @@ class SockDiag:
                     self._listeners[ident] = self._open_listener(path)
                 got = lookup(sock, known) if known else None
                 if got is None:
-                    self.lookup_fallbacks += known is not None
+                    self.lookup_fallbacks += bool(known)
                     got = dump(sock)
                     self.dumps += 1
                 else:

@@ -106,9 +106,10 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     # waiting rank's flows take in its delayed ACKs (see stall_explains):
     # scheduling noise beside a late rank (seen on a real 3-rank loopback
     # job: 230 vs 380 us, "network" on the rank that waited most), 1.3-1.9x
-    # srtt on a lossy host's ring neighbour (lab packet-loss runs). A new network candidate beside one needs a case
-    # stronger than waiting shows (network.stands_beside); an open network
-    # verdict is still held or cleared as before.
+    # srtt on a lossy host's ring neighbour (lab packet-loss runs). A new
+    # network candidate beside one needs a case stronger than waiting shows
+    # (network.stands_beside); an open network verdict is still held or
+    # cleared as before.
     explainers = frozenset(r for r, tr in tracks.items() if tr.cause in ("compute", "network"))
     explainers |= frozenset(r for r, why in net.node.items() if why == "retrans")
     explainers |= frozenset(a for a, (_b, why, _s) in net.links.items() if why == "retrans")

@@ -491,10 +491,15 @@ def excess_us(rank: int, net: NetView) -> float:
     return touching - others
 
 
+def _link_of(rank: int, net: NetView) -> tuple[int, str, float] | None:
+    """The link ``rank`` carries, unless it is blamed as a node."""
+    return net.links.get(rank) if rank not in net.node else None
+
+
 def score_of(rank: int, net: NetView) -> float:
     """The score of the case against ``rank``: its link's, when it carries a link
     verdict and is no node, else its node score."""
-    link = net.links.get(rank) if rank not in net.node else None
+    link = _link_of(rank, net)
     return link[2] if link is not None else net.ratio.get(rank, 1.0)
 
 
@@ -542,7 +547,7 @@ def evidence(
     """
     rank = rs.rank
     ratio = net.ratio.get(rank, 1.0)
-    link = net.links.get(rank) if rank not in net.node else None
+    link = _link_of(rank, net)
     score = score_of(rank, net)
     peer: int | None
     if link is not None:
