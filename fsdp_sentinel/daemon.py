@@ -348,7 +348,7 @@ class Daemon:
                 continue
             self._bytes_out += nbytes
             if rec is not _WAKE:
-                self._handle(rec)
+                self._handle(rec, decoded=True)
         self._drain()
         self._tick()
 
@@ -360,7 +360,7 @@ class Daemon:
                 return
             self._bytes_out += nbytes
             if rec is not _WAKE:
-                self._handle(rec)
+                self._handle(rec, decoded=True)
 
     def close(self) -> None:
         """Stop receiving, undo remediation, detach probes, close outputs. Idempotent."""
@@ -408,7 +408,10 @@ class Daemon:
 
     # ----------------------------------------------------------------- hot path
 
-    def _handle(self, rec: Record) -> None:
+    def _handle(self, rec: Record, decoded: bool = False) -> None:
+        """One record through trace, remediator and pipeline. ``decoded``: it came
+        from the ingest socket, which decoded and checked it (``parse_datagram``):
+        the trace writer then neither checks it again nor encodes it the slow way."""
         kind = rec["kind"]
         # Counted by kind, unknown kinds as one: a stream of new kinds grows nothing.
         self.counts[kind if kind in TIME_FIELD else "other"] += 1
@@ -416,7 +419,7 @@ class Daemon:
             # The probes key on host tgids: the kernel's pid for the sender.
             self._register(rec.get("host_pid", rec.get("pid")))
         if self._trace is not None:
-            self._trace.write(rec)
+            self._trace.write(rec, decoded)
         if self._observe is not None:
             self._safely("remediator observe", self._observe, rec)
         try:

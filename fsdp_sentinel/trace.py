@@ -408,6 +408,30 @@ def encode(rec: Record) -> bytes:
     return (json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
+def encode_decoded(rec: Record) -> bytes:
+    """:func:`encode` for a record that came out of :func:`decode` (a line of a
+    trace or a datagram, perhaps with fields of JSON types added): the same
+    values, written ~8x faster.
+
+    Only for such records: orjson writes a NaN as ``null`` where ``encode``
+    refuses it, and a decoded record holds none (the decoder refuses them),
+    nor a key that is not a string, nor an int past 64 bits (it reads those as
+    floats). Its text may differ from ``encode``'s (``1e-05`` is ``0.00001``,
+    ``\u00e9`` is the UTF-8 bytes); decoded, the records are equal. Anything
+    orjson refuses goes to ``encode``.
+    """
+    try:
+        return _dumps_line(rec)
+    except TypeError:
+        return encode(rec)
+
+
+try:
+    _dumps_line: Callable[[Record], bytes] = partial(orjson.dumps, option=orjson.OPT_APPEND_NEWLINE)
+except NameError:  # pragma: no cover - no orjson: the json encoder
+    _dumps_line = encode
+
+
 def _is_zst(path: str | os.PathLike[str]) -> bool:
     return str(path).endswith(".zst")
 
@@ -563,9 +587,13 @@ class TraceWriter:
                 head["checked"] = {"schema": SCHEMA, "token": self._token.hex()}
             self.write(head)
 
-    def write(self, rec: Record) -> None:
+    def write(self, rec: Record, decoded: bool = False) -> None:
+        """Append ``rec``. ``decoded``: it came out of :func:`decode` and passed
+        :func:`validate`'s checks on the way (the ingest socket's records: the
+        daemon's hot path), so it is encoded by :func:`encode_decoded` and not
+        checked a second time."""
         try:
-            data = encode(rec)
+            data = encode_decoded(rec) if decoded else encode(rec)
         except (ValueError, TypeError):
             with self._lock:
                 self.unencodable += 1
@@ -578,7 +606,7 @@ class TraceWriter:
                 return
             try:
                 if self._zst:
-                    if self._token is not None and validate(rec) is not None:
+                    if self._token is not None and not decoded and validate(rec) is not None:
                         self._frame_clean = False
                         self.unchecked += 1
                     self._frame.append(data)

@@ -118,13 +118,13 @@ class SegmentedTraceWriter:
     def unencodable(self) -> int:
         return self._done_unencodable + self._writer.unencodable
 
-    def write(self, rec: Record) -> None:
+    def write(self, rec: Record, decoded: bool = False) -> None:
         with self._lock:
             w = self._writer
             if w.closed:  # a rotation failed: the trace is off, the record lost
                 self._done_lost += 1
                 return
-            w.write(rec)
+            w.write(rec, decoded)
             if self.failed is None and w.failed is not None:
                 self.failed = w.failed
             self._since_check += 1

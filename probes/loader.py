@@ -664,7 +664,8 @@ class ProbeSet:
         named the socket. A process's parked socket can be TCP only while the
         process holds a TCP socket the kernel has not named (one older than
         the probes: sock_diag lists it, inet_sock_set_state never saw it
-        open); then NAMING_TRACEPOINT is attached until it is named. Sockets
+        open); then NAMING_TRACEPOINT is attached until it is named, for
+        ORPHAN_POLLS polls at most (then it is no TCP either). Sockets
         of other processes are no TCP (unix, udp): their bytes are counted
         lost and the kernel told to skip them from then on."""
         unnamed_tcp = {
@@ -689,7 +690,14 @@ class ProbeSet:
             if not may_be_tcp[tgid] or age + 1 >= ORPHAN_POLLS:
                 self.lost_orphan_bytes += fig.tx_bytes + fig.rx_bytes
                 del self._orphans[okey]
-                if not may_be_tcp[tgid]:
+                # Parked through ORPHAN_POLLS polls with tcp_probe attached and
+                # still not named: no TCP socket either. A TCP socket moving
+                # bytes receives segments (data or ACKs), and each names it.
+                # Without this, a process holding one idle unnamed TCP socket
+                # (a store connection older than the probes) kept its unix
+                # socket's bytes parked for good: a whole sock_diag read every
+                # poll and tcp_probe attached and detached every few polls.
+                if not may_be_tcp[tgid] or self._naming_on:
                     self._ignore_socket(b, sk_addr, tgid)
             else:
                 self._orphans[okey] = (fig, age + 1)

@@ -287,17 +287,22 @@ def test_flows_command_prints_trace_v1_json() -> None:
     assert sent == 300000
 
 
-def test_connection_older_than_the_probes_is_named_on_demand() -> None:
-    """A connection made before the probes loaded was never seen opening:
-    tcp_probe is attached until it is named, its early bytes wait parked and
-    all count; a unix socket of the same process is then recognised as no
-    TCP socket, and tcp_probe goes away although it keeps sending."""
+def _connection() -> tuple[socket.socket, socket.socket, socket.socket, str, str]:
+    """A loopback connection: (listener, client end, server end, "ip:port" of each end)."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     c = socket.create_connection(srv.getsockname())
     a, _ = srv.accept()
-    client, server = "{}:{}".format(*c.getsockname()), "{}:{}".format(*a.getsockname())
+    return srv, c, a, "{}:{}".format(*c.getsockname()), "{}:{}".format(*a.getsockname())
+
+
+def test_connection_older_than_the_probes_is_named_on_demand() -> None:
+    """A connection made before the probes loaded was never seen opening:
+    tcp_probe is attached until it is named, its early bytes wait parked and
+    all count; a unix socket of the same process is then recognised as no
+    TCP socket, and tcp_probe goes away although it keeps sending."""
+    srv, c, a, client, server = _connection()
     u1, u2 = socket.socketpair()
     ps = ProbeSet(ProbeConfig(pid_filter=True, families=("tcp",)))
     ps.register_pid(os.getpid())
@@ -332,3 +337,55 @@ def test_connection_older_than_the_probes_is_named_on_demand() -> None:
     assert {r["pid"] for r in recs if r["kind"] == "flow"} == {os.getpid()}
     assert named_after >= 1, "tcp_probe was never needed: the test proves nothing"
     assert ps.naming_polls == named_after, "tcp_probe stayed attached for the unix socket"
+
+
+def test_a_unix_socket_beside_an_idle_unnamed_connection_is_given_up_on() -> None:
+    """A process holding an idle TCP connection older than the probes (never
+    named: it moves no bytes, so no segment names it) and a unix socket that
+    keeps sending: the unix socket's bytes wait ORPHAN_POLLS polls with
+    tcp_probe attached (twice at most), then the socket is skipped for good: tcp_probe stays
+    detached and sock_diag goes back to exact lookups (as in a training job:
+    the c10d store's connection, the emitter's datagram socket). Once the old
+    connection moves bytes it is named and counted in full."""
+    from fsdp_sentinel.probes.loader import ORPHAN_POLLS
+
+    srv, c, a, client, server = _connection()
+    u1, u2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ps = ProbeSet(ProbeConfig(pid_filter=True, families=("tcp",)))
+    ps.register_pid(os.getpid())
+    ps.start()
+    recs: list[dict] = []
+    try:
+        ps.poll()
+
+        def tick() -> None:
+            u1.send(b"y" * 1000)
+            u2.recv(1000)
+            time.sleep(0.02)
+            recs.extend(ps.poll())
+
+        # Bytes that come between a poll's read of the parked ones and its
+        # verdict park once more: given up on at the second expiry at most.
+        for _ in range(2 * ORPHAN_POLLS + 1):
+            tick()
+        assert ps.naming_polls >= 1, "tcp_probe was never needed: the test proves nothing"
+        named, lookups = ps.naming_polls, ps.diag_reads["lookup"]
+        for _ in range(4):
+            tick()
+        assert ps.naming_polls == named, "tcp_probe still attached for the unix socket"
+        assert ps.diag_reads["lookup"] == lookups + 4, ps.diag_reads
+        chunk = 70_001
+        for _ in range(3):  # the old connection wakes up: named, counted
+            c.sendall(b"x" * chunk)
+            got = 0
+            while got < chunk:
+                got += len(a.recv(1 << 20))
+            time.sleep(0.05)
+            recs.extend(ps.poll())
+        recs.extend(ps.poll())
+    finally:
+        ps.close()
+        for s in (c, a, srv, u1, u2):
+            s.close()
+    tx, _, _ = _sum(recs, client, server)
+    assert tx == 3 * chunk, recs

@@ -290,3 +290,41 @@ def test_a_marked_frame_is_given_in_pieces_and_one_that_fails_to_parse_is_checke
         for b in TraceReader(forged).batches():
             given.extend(b)
     assert given[1:] == [step(i) for i in range(bad_json - 2)]  # what came before it
+
+
+# A datagram's records as the ingest socket decodes them: floats that the two
+# encoders write differently (exponents, small ones), text past ASCII, nesting.
+DECODED_LINES = [
+    b'{"kind":"coll","rank":1,"step":3,"seq":7,"op":"all_gather","bytes":147968,'
+    b'"issue":1.733221234123456e+9,"end":1733221234.2,"group":"g\\u00e9","wait":1e-05}',
+    b'{"kind":"step","rank":1,"step":3,"start":0.00001,"end":2.5,"extra":{"a":[1,null,true]}}',
+    b'{"kind":"rank","t":1.0,"rank":1,"world_size":4,"host":"h\xc3\xa9","pid":12,'
+    b'"addrs":["198.18.0.2"],"host_pid":4194000}',
+]
+
+
+def test_a_decoded_record_is_written_fast_and_reads_back_equal_in_marked_frames(
+    tmp_path: Path,
+) -> None:
+    from fsdp_sentinel.trace import decode, encode_decoded
+
+    recs = [decode(line) for line in DECODED_LINES]
+    assert all(validate(r) is None for r in recs)
+    for r in recs:  # the values of encode's text, whatever the bytes
+        assert decode(encode_decoded(r)) == decode(encode(r)) == r
+    path = tmp_path / "t.jsonl.zst"
+    with TraceWriter(path) as w:
+        for r in recs:
+            w.write(r, decoded=True)
+        assert w.unchecked == 0
+    data = path.read_bytes()
+    assert any(mark for _, _, mark in frames(data))  # vouched for, not checked again
+    assert [r for r in read_trace(path) if r["kind"] != "header"] == recs
+    assert [r for r in TraceReader(path) if r["kind"] != "header"] == recs
+
+
+def test_a_record_orjson_refuses_goes_to_the_json_encoder() -> None:
+    from fsdp_sentinel.trace import encode_decoded
+
+    rec = {"kind": "step", "rank": 0, "step": 1, "start": 0.0, "end": 1.0, "big": 2**70}
+    assert json.loads(encode_decoded(rec)) == rec  # written exactly, by json
