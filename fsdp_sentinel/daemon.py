@@ -542,9 +542,11 @@ class Daemon:
         lost = getattr(probes, "lost_events", None)
         stats = getattr(probes, "program_stats", None)
         progs = (self._safely("program stats", stats) or {}) if stats else {}
+        # One read of the programs' fdinfo a tick: the lost events' count of
+        # skipped runs comes from the same figures.
         return dataclasses.replace(
             snap,
-            events_lost_total=(self._safely("lost events", lost) or {}) if lost else {},
+            events_lost_total=(self._safely("lost events", lost, progs) or {}) if lost else {},
             bpf_programs=tuple(
                 BpfProgramView(name, f.get("run_cnt", 0), f.get("run_time_ns", 0))
                 for name, f in sorted(progs.items())

@@ -73,7 +73,11 @@ def socket_from_env(env: Mapping[str, str]) -> str | None:
 MAX_DATAGRAM = 65_000
 
 #: Seconds between the sender thread's drains (the default ``flush_interval``).
-FLUSH_INTERVAL = 0.1
+#: Each drain wakes this thread in the rank (the GIL with it) and the
+#: daemon's ingest and pipeline threads; at 100 ms a 4-rank job's 40
+#: datagrams a second cost the daemon's ingest thread 6-7 ms of CPU a second,
+#: at 250 ms 3.5-4 (BENCHMARKS.md). Liveness is judged over seconds.
+FLUSH_INTERVAL = 0.25
 
 # errnos meaning "nobody is listening at that path": back off before retrying.
 _ABSENT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES})

@@ -95,11 +95,12 @@ def read_fdinfo(
 ) -> dict[str, dict[str, int]]:
     """Program name -> its :data:`FIELDS` (those the kernel shows), for the
     program fds ``fds`` of process ``pid`` (default: this one)."""
-    base = Path(proc_root) / str(pid or os.getpid()) / "fdinfo"
+    base = f"{proc_root}/{pid or os.getpid()}/fdinfo/"
     out: dict[str, dict[str, int]] = {}
     for name, fd in fds.items():
-        try:
-            text = (base / str(fd)).read_text()
+        try:  # read each tick for every program: no pathlib, no text layer
+            with open(base + str(fd), "rb") as fh:
+                text = fh.read().decode()
         except OSError:
             continue  # closed since (detached): nothing to report
         got: dict[str, int] = {}

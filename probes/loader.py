@@ -834,17 +834,18 @@ class ProbeSet:
         ``recursion_misses``, from this process's fdinfo."""
         return read_fdinfo(self.program_fds())
 
-    def missed_events(self) -> dict[str, int]:
+    def missed_events(self, stats: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
         """Per program, events the kernel skipped because another BPF tracing
         program (any tool's) or a BPF map syscall held this CPU at that moment
-        (``recursion_misses`` in the program's fdinfo)."""
+        (``recursion_misses`` in the program's fdinfo; ``stats``: a
+        :meth:`program_stats` answer just read, so it is not read twice)."""
         return {
             name: figs["recursion_misses"]
-            for name, figs in self.program_stats().items()
+            for name, figs in (self.program_stats() if stats is None else stats).items()
             if "recursion_misses" in figs
         }
 
-    def lost_events(self) -> dict[str, int]:
+    def lost_events(self, stats: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
         """Events lost on the kernel side so far, by source (the exporter's
         ``events_lost_total``): ``map_eviction`` (entries the LRU maps evicted
         before a poll read them), ``tracepoint_miss`` (program runs the kernel
@@ -853,10 +854,10 @@ class ProbeSet:
         since its last read, are lost), ``sock_diag_destroy_overflow`` (times
         a destroy listener's buffer overflowed: closing sockets' last
         retransmits lost). A source added here is exported with no other
-        change."""
+        change. ``stats``: as for :meth:`missed_events`."""
         return {
             "map_eviction": sum(self.evictions.evicted().values()),
-            "tracepoint_miss": sum(self.missed_events().values()),
+            "tracepoint_miss": sum(self.missed_events(stats).values()),
             "sock_diag_read_error": self._sockdiag.read_errors if self._sockdiag else 0,
             "sock_diag_destroy_overflow": self._sockdiag.destroy_overflows if self._sockdiag else 0,
         }
