@@ -41,8 +41,13 @@ try:  # orjson parses a record ~4x faster than json; replay is parse-bound.
     # included), invalid UTF-8 and lone surrogates, and nesting past 1,024
     # levels (an error, not a RecursionError).
     _loads: Callable[[bytes], Any] = orjson.loads
+    # And writes a decoded record ~14x faster than json (encode_decoded).
+    _dumps_line: Callable[[Any], bytes] = partial(orjson.dumps, option=orjson.OPT_APPEND_NEWLINE)
 except ImportError:  # pragma: no cover - orjson is a dependency; json is the fallback
     _loads = _json_loads
+
+    def _dumps_line(rec: Any) -> bytes:
+        return encode(rec)
 
 
 def decode(data: bytes) -> Any:
@@ -424,12 +429,6 @@ def encode_decoded(rec: Record) -> bytes:
         return _dumps_line(rec)
     except TypeError:
         return encode(rec)
-
-
-try:
-    _dumps_line: Callable[[Record], bytes] = partial(orjson.dumps, option=orjson.OPT_APPEND_NEWLINE)
-except NameError:  # pragma: no cover - no orjson: the json encoder
-    _dumps_line = encode
 
 
 def _is_zst(path: str | os.PathLike[str]) -> bool:
