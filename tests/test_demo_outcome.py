@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_sentinel.demo.outcome import fault_steps, judge, summary_lines, truth
-from fsdp_sentinel.demo.run import DemoConfig, trainer_args, truth_path
+from fsdp_sentinel.demo.run import DemoConfig, TrainerSteps, _FaultDriver, trainer_args, truth_path
 from fsdp_sentinel.demo.scenarios import (
     SCENARIOS,
     is_transient,
@@ -17,6 +17,7 @@ from fsdp_sentinel.demo.scenarios import (
     victim_rank,
 )
 from fsdp_sentinel.report.model import build
+from fsdp_sentinel.trainer.loop import step_line
 
 T0 = 2_000.0
 
@@ -193,6 +194,65 @@ def test_trainer_args_follow_the_config() -> None:
     assert cfg.onset_step() == 8 and cfg.duration() == 10
     assert DemoConfig(fault_steps=0).duration() is None
     assert DemoConfig(fault_steps=1).duration() == 1
+
+
+def test_trainer_steps_follow_rank_zeros_step_lines_as_the_log_grows(tmp_path: Path) -> None:
+    log = tmp_path / "h0.log"
+    steps_ = TrainerSteps(log)
+    assert steps_.poll() is None  # no log yet
+    log.write_text("[W1203 socket.cpp:207] [c10d] a warning\n" + step_line(0, 5.1) + "\n")
+    assert steps_.poll() == 1  # step 0 ended: step 1 is in progress
+    with log.open("a") as f:
+        f.write(step_line(1, 4.9) + "\n" + "step 2 lo")  # the last line half written
+    assert steps_.poll() == 2
+    with log.open("a") as f:
+        f.write("ss 4.7000\nstep_s=0.6 is not a step line\n")
+    assert steps_.poll() == 3
+    assert steps_.poll() == 3  # nothing new
+
+
+class _Lab:
+    def __init__(self) -> None:
+        self.did: list[tuple[str, int | None]] = []
+
+    def inject(self, fault: object, step: int | None = None) -> dict:
+        self.did.append(("inject", step))
+        return {"kind": "fault", "what": "packet_loss", "host": "h2", "rank": 2}
+
+    def clear(self, fault: object, step: int | None = None) -> dict:
+        self.did.append(("clear", step))
+        return {"kind": "fault_end", "what": "packet_loss", "host": "h2", "rank": 2}
+
+
+class _Quiet:
+    def emit(self, rec: object) -> None: ...
+    def event(self, line: str) -> None: ...
+    def note(self, line: str) -> None: ...
+
+
+def _driver(**kw: object) -> tuple[_FaultDriver, _Lab]:
+    lab = _Lab()
+    q = _Quiet()
+    return _FaultDriver(DemoConfig(**kw), lab, q, q), lab  # type: ignore[arg-type]
+
+
+def test_a_fault_lasts_its_steps_of_the_trainer_though_the_snapshot_trails() -> None:
+    d, lab = _driver(scenario="packet-loss", onset=6, fault_steps=6)
+    d.on_step(6, 8)  # the snapshot says 6 while rank 0 is in step 8: onset
+    assert lab.did == [("inject", 6)] and d.counting_steps
+    d.on_step(12, 13)  # snapshot steps alone would end it here, a step and a half short
+    assert lab.did == [("inject", 6)]
+    d.on_step(12, 14)
+    assert lab.did == [("inject", 6), ("clear", 12)] and not d.counting_steps
+
+
+def test_without_the_trainers_steps_a_fault_is_counted_in_snapshot_steps() -> None:
+    d, lab = _driver(scenario="packet-loss", onset=6, fault_steps=6)
+    d.on_step(6)
+    d.on_step(11, None)
+    assert lab.did == [("inject", 6)]
+    d.on_step(12, None)
+    assert lab.did == [("inject", 6), ("clear", 12)]
 
 
 def demo_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -145,9 +145,49 @@ def trainer_args(cfg: DemoConfig, socket_path: Path | None) -> list[str]:
         "--batch", str(cfg.batch),
         "--seq-len", str(cfg.seq_len),
         "--threads", "1",
-        "--log-every", "0",
+        # Rank 0 says each step's end: the fault driver counts a fault's
+        # steps by it (``TrainerSteps``), not by the daemon's snapshot.
+        "--log-every", "1",
         *(["--socket", str(socket_path)] if socket_path is not None else []),
     ]  # fmt: skip
+
+
+class TrainerSteps:
+    """The step rank 0 is in, from the end-of-step lines it writes to its host's log
+    (``trainer.loop.step_line``), read as the log grows.
+
+    The daemon's snapshot trails the job by its poll interval and the
+    emitter's drain, about a second: two of a clean lab step's 0.6 s, but
+    half of a step the fault has slowed to 2 s. A fault counted in snapshot
+    steps therefore lasted ~1.5 steps fewer than asked (6 asked, 4-5 seen
+    in the trace), enough for a persistence rule to miss it; this count
+    trails by at most the driver's own check interval.
+    """
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self._at = 0
+        self._tail = b""
+        self.step: int | None = None
+
+    def poll(self) -> int | None:
+        """The step in progress (the last one ended + 1); None before rank 0 ended one."""
+        from fsdp_sentinel.trainer.loop import STEP_LINE
+
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._at)
+                got = f.read()
+        except OSError:
+            return self.step
+        self._at += len(got)
+        lines = (self._tail + got).split(b"\n")
+        self._tail = lines.pop()  # a line still being written
+        for line in lines:
+            m = STEP_LINE.match(line)
+            if m:
+                self.step = int(m.group(1)) + 1
+        return self.step
 
 
 class _FaultDriver:
@@ -177,6 +217,7 @@ class _FaultDriver:
         self.seconds = cfg.fault_seconds if cfg.fault_seconds is not None else cfg.plan.seconds
         self.duration = None if self.seconds is not None else cfg.duration()
         self.injected_at: float | None = None
+        self.injected_step: int | None = None  # the trainer's own step then (TrainerSteps)
         self.active = False
         self.records: list[dict[str, Any]] = []
 
@@ -218,11 +259,15 @@ class _FaultDriver:
                 f"quota {self.fault.cpu_fraction:.3f} for ~{self.slowdown:g}x"
             )
 
-    def on_step(self, step: int) -> None:
+    def on_step(self, step: int, trainer_step: int | None = None) -> None:
+        """``step``: the job's step by the daemon's snapshot (the onset is judged by
+        it); ``trainer_step``: rank 0's own (``TrainerSteps``), by which a fault's
+        ``duration`` is counted when it is known."""
         if self.fault is None:
             return
         self._calibrate(step)
         if self.injected_at is None and step >= self.onset:
+            self.injected_step = trainer_step
             rec = self.lab.inject(self.fault, step=step)
             if self.calibration is not None:
                 rec.setdefault("params", {})["calibration"] = self.calibration
@@ -233,8 +278,18 @@ class _FaultDriver:
                 f"injected {rec['what']} on {rec['host']} (rank {rec['rank']}) at step {step}"
             )
             self.progress.note(f"{rec['what']} on rank {rec['rank']}")
-        elif self.active and self.duration is not None and step >= self.onset + self.duration:
-            self.clear(step)
+        elif self.active and self.duration is not None:
+            if self.injected_step is not None and trainer_step is not None:
+                due = trainer_step >= self.injected_step + self.duration
+            else:
+                due = step >= self.onset + self.duration
+            if due:
+                self.clear(step)
+
+    @property
+    def counting_steps(self) -> bool:
+        """A fault in force that ends after a number of steps."""
+        return self.active and self.duration is not None
 
     def on_time(self, now: float) -> float | None:
         """Clear a timed fault when its time is up; seconds until then, or None."""
@@ -264,6 +319,7 @@ def _follow(
     driver: _FaultDriver,
     progress: Progress,
     problems: list[str],
+    trainer: TrainerSteps,
 ) -> None:
     """Until the job ends (or must be ended): progress, fault timing, events."""
     total = cfg.total_steps()
@@ -298,7 +354,7 @@ def _follow(
                     elif r.rank in flagged:
                         progress.event(f"rank {r.rank} cleared at step {r.step}")
                     flagged[r.rank] = state
-        driver.on_step(step)
+        driver.on_step(step, trainer.poll())
         left = driver.on_time(time.monotonic())
         if all(p.poll() is not None for p in procs):
             return
@@ -315,6 +371,12 @@ def _follow(
         if left is not None and left < 0.5:
             time.sleep(max(left, 0.0))
             driver.on_time(time.monotonic())
+        elif driver.counting_steps:
+            # Its end is a step of the trainer's: looked for more often than
+            # the snapshot (whose step stays put between the checks).
+            for _ in range(5):
+                time.sleep(0.1)
+                driver.on_step(step, trainer.poll())
         else:
             time.sleep(0.5)
 
@@ -398,7 +460,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         )
         stack.callback(_stop_job, procs)
         progress.note("training")
-        _follow(cfg, daemon, procs, driver, progress, result.problems)
+        trainer = TrainerSteps(out / "logs" / f"{lab.hosts[0].name}.log")
+        _follow(cfg, daemon, procs, driver, progress, result.problems, trainer)
         _stop_job(procs)
         killed = driver.killed
         for h, p in zip(lab.hosts, procs, strict=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import statistics
 import sys
 import time
@@ -17,6 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_sentinel.trainer.config import TrainConfig, build_parser, parse_args
+
+#: Rank 0's line at the end of a step (``--log-every``); the demo follows the
+#: job's own pace from it (``demo.run.TrainerSteps``), so keep the two together.
+STEP_LINE = re.compile(rb"^step (\d+) loss ")
+
+
+def step_line(step: int, loss: float) -> str:
+    return f"step {step} loss {loss:.4f}"
 
 
 @dataclass
@@ -147,7 +156,7 @@ def train(cfg: TrainConfig) -> int:
                 and cfg.log_every > 0
                 and (step % cfg.log_every == 0 or step == cfg.steps - 1)
             ):
-                print(f"step {step} loss {loss_value:.4f}", flush=True)
+                print(step_line(step, loss_value), flush=True)
             if ckpt and ckpt.due(step + 1) and step + 1 < cfg.steps:
                 ckpt.save(step + 1)
         if ckpt:
