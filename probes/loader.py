@@ -47,6 +47,7 @@ STAT_NAMES = {
     6: "nccl_calls",
     7: "qps",
 }
+STAT_ORPHAN_CLOSED = 5
 STAT_SOCK_DEL = 8
 STAT_ORPHAN_BYTES = 9
 STAT_HOT_CLAIM = 10
@@ -512,6 +513,9 @@ class ProbeSet:
         stats = self._stats = self._read_stats()
         for idx, name in STAT_NAMES.items():
             self.evictions.created[name] = stats.get(idx, 0)
+        # Parked entries of sockets that closed unnamed were taken into closed
+        # by the kernel itself (tcp_flows.c): neither harvested nor evicted.
+        self.evictions.created["orphans"] -= stats.get(STAT_ORPHAN_CLOSED, 0)
         out: list[dict[str, Any]] = []
         fams = set(self.config.families)
         if "tcp" in fams:
@@ -595,9 +599,16 @@ class ProbeSet:
                 add(key, int(v.tgid), *cur)
                 now[key] = seen[key] = cur
         for k, v in self._harvest("closed"):
-            key = (int(k.sk), _tuple(k.t))
-            add(key, int(v.tgid), int(v.tx_bytes), int(v.rx_bytes))
+            sk, tgid = int(k.sk), int(v.tgid)
+            key = (sk, _tuple(k.t))
+            add(key, tgid, int(v.tx_bytes), int(v.rx_bytes))
             now.pop(key, None)
+            # What earlier polls parked of it: the close named it at last.
+            parked = self._orphans.pop((tgid, sk), None)
+            if parked is not None:
+                flows.setdefault((tgid, key[1]), R.FlowFigures()).add(
+                    parked[0].tx_bytes, parked[0].rx_bytes
+                )
         self._sock_seen = now  # the rest closed or were evicted
         return flows
 

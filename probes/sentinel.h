@@ -61,7 +61,7 @@
 #define SENTINEL_STAT_SOCK_NEW 2
 #define SENTINEL_STAT_CONN_NEW 3
 #define SENTINEL_STAT_CLOSED_NEW 4 /* was retrans (now tcp_info via sock_diag) */
-#define SENTINEL_STAT_UNUSED_5 5 /* was devs (netdev now reads netlink) */
+#define SENTINEL_STAT_ORPHAN_CLOSED 5 /* orphans entries folded into closed at CLOSE */
 #define SENTINEL_STAT_NCCL_NEW 6
 #define SENTINEL_STAT_QP_NEW 7
 #define SENTINEL_STAT_SOCK_DEL 8

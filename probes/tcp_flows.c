@@ -284,24 +284,51 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
          * after socks lost the socket, and user space reads the slots before
          * socks, then closed: whichever it sees, each byte counts once. */
         struct hot_slot *h = 0;
+        u64 tx = 0, rx = 0;
+        u32 owner = si ? si->tgid : 0;
         if (si && si->known) {
-            u64 tx = si->tx_bytes, rx = si->rx_bytes;
+            tx = si->tx_bytes;
+            rx = si->rx_bytes;
             h = hot_slot_of(sk);
             if (h && h->sk == sk) {
                 tx += h->tx_bytes;
                 rx += h->rx_bytes;
             }
-            if (tx || rx) {
-                struct closed_key key = {};
-                key.sk = sk;
-                key.t = si->t;
-                struct closed_counts last = {};
-                last.tgid = si->tgid;
-                last.tx_bytes = tx;
-                last.rx_bytes = rx;
-                if (closed.update(&key, &last) == 0)
-                    stat_add(SENTINEL_STAT_CLOSED_NEW, 1);
+        }
+        /* Bytes still parked under the socket's address go with it: its name
+         * is in this very event. A socket is parked when the event that names
+         * it never ran (the kernel skips a classic tracepoint that fires
+         * while another BPF program or a map syscall holds the CPU: an
+         * ESTABLISHED in softirq, say); after this event nothing could name
+         * it, and a short connection's bytes were lost whole. Taken by
+         * exchange, so a user-space read racing this one sees them or not. */
+        if (!owner) {
+            u32 *hint = sock_owner_hint.lookup(&sk);
+            if (hint)
+                owner = *hint;
+        }
+        if (owner) {
+            struct orphan_key ok = {};
+            ok.tgid = owner;
+            ok.sk = sk;
+            struct flow_counters *oc = orphans.lookup(&ok);
+            if (oc) {
+                tx += __sync_lock_test_and_set(&oc->tx_bytes, 0);
+                rx += __sync_lock_test_and_set(&oc->rx_bytes, 0);
+                if (orphans.delete(&ok) == 0) /* not evicted: user space counts it */
+                    stat_add(SENTINEL_STAT_ORPHAN_CLOSED, 1);
             }
+        }
+        if (owner && (tx || rx)) {
+            struct closed_key key = {};
+            key.sk = sk;
+            key.t = (si && si->known) ? si->t : t;
+            struct closed_counts last = {};
+            last.tgid = owner;
+            last.tx_bytes = tx;
+            last.rx_bytes = rx;
+            if (closed.update(&key, &last) == 0)
+                stat_add(SENTINEL_STAT_CLOSED_NEW, 1);
         }
         if (si && socks.delete(&sk) == 0)
             stat_add(SENTINEL_STAT_SOCK_DEL, 1);

@@ -253,6 +253,7 @@ def test_connections_closed_between_polls_keep_their_retransmits(lab: ProbeSet) 
             time.sleep(0.3)  # the kernel frees closed sockets from a work queue
             want = nstat("TcpRetransSegs", NS_A) - before
             recs = lab.poll()
+            health = lab.stats()  # says why, should a count below fall short
         finally:
             for p in (cl, srv):
                 if p:
@@ -260,9 +261,9 @@ def test_connections_closed_between_polls_keep_their_retransmits(lab: ProbeSet) 
     server = f"{ADDR_B}:{PORT + 3}"
     flows = [r for r in recs if r["kind"] == "flow" and r["dst"] == server]
     assert want > 0, "the lossy link lost nothing: the oracle proves nothing"
-    assert sum(r["retrans"] for r in flows) == want
+    assert sum(r["retrans"] for r in flows) == want, (flows, health)
     assert all("srtt_us" not in r for r in flows)  # closed: no path figures
-    assert sorted(r["tx_bytes"] for r in flows) == [size + i for i in range(k)]
+    assert sorted(r["tx_bytes"] for r in flows) == [size + i for i in range(k)], (flows, health)
 
 
 def test_with_the_pid_filter_the_job_s_sockets_are_read_by_lookup_and_still_match(
