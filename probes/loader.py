@@ -604,11 +604,8 @@ class ProbeSet:
             add(key, tgid, int(v.tx_bytes), int(v.rx_bytes))
             now.pop(key, None)
             # What earlier polls parked of it: the close named it at last.
-            parked = self._orphans.pop((tgid, sk), None)
-            if parked is not None:
-                flows.setdefault((tgid, key[1]), R.FlowFigures()).add(
-                    parked[0].tx_bytes, parked[0].rx_bytes
-                )
+            if (tgid, sk) in self._orphans:
+                self._name_parked(flows, (tgid, sk), key[1])
         self._sock_seen = now  # the rest closed or were evicted
         return flows
 
@@ -691,10 +688,7 @@ class ProbeSet:
             tgid, sk_addr = okey
             info = socks.get(sk_addr)
             if info is not None and info.known:
-                flows.setdefault((tgid, _tuple(info.t)), R.FlowFigures()).add(
-                    fig.tx_bytes, fig.rx_bytes
-                )
-                del self._orphans[okey]
+                self._name_parked(flows, okey, _tuple(info.t))
                 continue
             if tgid not in may_be_tcp:
                 may_be_tcp[tgid] = bool(self._owners.inodes(tgid) & unnamed_tcp)
@@ -716,6 +710,16 @@ class ProbeSet:
         self._set_naming(need_naming)
         if self._naming_on:
             self.naming_polls += 1
+
+    def _name_parked(
+        self,
+        flows: dict[tuple[int, R.Tuple], R.FlowFigures],
+        okey: tuple[int, int],
+        tup: R.Tuple,
+    ) -> None:
+        """The bytes parked under ``okey`` (tgid, socket) go to that process's flow ``tup``."""
+        fig, _age = self._orphans.pop(okey)
+        flows.setdefault((okey[0], tup), R.FlowFigures()).add(fig.tx_bytes, fig.rx_bytes)
 
     def _ignore_socket(self, b: Any, sk: int, tgid: int) -> None:
         table = b[b"socks"]
