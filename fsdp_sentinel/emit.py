@@ -3,11 +3,11 @@
 :meth:`Emitter.emit` only appends the record to an in-memory queue (a deque
 append, well under a microsecond) and returns; it never blocks and never
 raises into training. A background thread wakes every ``flush_interval``
-seconds (100 ms) and drains the queue: the drained records go as JSON lines
-(``\n``-separated, no trailing newline), packed into as few datagrams of at
-most :data:`MAX_DATAGRAM` bytes as they fit in, on a non-blocking AF_UNIX
-SOCK_DGRAM socket to the daemon's ingest socket, and, with ``trace_out``, into
-a trace file. Sending off the training thread matters: a datagram that wakes a
+seconds (:data:`FLUSH_INTERVAL`, 250 ms) and drains the queue: the drained
+records go as JSON lines (``\n``-separated, no trailing newline), packed
+into as few datagrams of at most :data:`MAX_DATAGRAM` bytes as they fit in,
+on a non-blocking AF_UNIX SOCK_DGRAM socket to the daemon's ingest socket,
+and, with ``trace_out``, into a trace file. Sending off the training thread matters: a datagram that wakes a
 sleeping receiver costs tens of microseconds in the sender's ``sendto`` on a
 small machine, and the file's periodic fsync more. Packing matters too: one
 ``sendto`` and one daemon wake-up per drain instead of one per record (a
@@ -21,7 +21,8 @@ When the daemon is absent (``ENOENT``, ``ECONNREFUSED``), slow (``EAGAIN``,
 counted in ``dropped`` (a datagram refused drops, and counts, every record
 it held); training never waits. After the daemon is found
 absent the emitter stops trying for ``retry_interval`` seconds (dropping and
-counting meanwhile), then tries again, so it picks up a daemon that starts
+counting meanwhile, without encoding what it drops: a job that runs with no
+daemon pays for its records' queueing, not their JSON), then tries again, so it picks up a daemon that starts
 later, or one started again after a crash (same path: the new daemon takes
 the socket over); a greeting (:meth:`Emitter.set_greeting`: the hooks' own
 ``rank`` record) then goes ahead of the first record it gets. If the queue itself grows past ``max_pending`` records (the thread
@@ -164,6 +165,10 @@ class Emitter:
         with self._drain_lock:
             pending = self._pending
             sock = self._sock is not None
+            # The daemon was found absent and is not tried again yet: the
+            # records would be dropped at the send, so they are dropped (and
+            # counted) before the CPU of encoding them is spent.
+            away = sock and bool(self._retry_at) and self._clock() < self._retry_at
             batch: list[bytes] = []
             size = -1  # the batch's bytes joined with "\n": one less than the sum
             while pending:
@@ -171,6 +176,9 @@ class Emitter:
                 if self._writer is not None:
                     self._write(rec)
                 if not sock:
+                    continue
+                if away:
+                    self._dropped_send += 1
                     continue
                 data = self._encode(rec)
                 if data is None:

@@ -144,6 +144,42 @@ def test_picks_up_a_daemon_that_starts_later(sock_path: str) -> None:
             s.close()
 
 
+def test_records_dropped_while_backing_off_are_not_encoded(
+    sock_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that runs with no daemon pays for queueing its records, not for
+    their JSON: while the sender backs off, what it drops is never encoded;
+    once it tries again, encoding resumes."""
+    now = [100.0]
+    encoded: list[dict] = []
+    real = Emitter._encode
+
+    def counting(self: Emitter, rec: dict) -> bytes | None:
+        encoded.append(rec)
+        return real(self, rec)
+
+    monkeypatch.setattr(Emitter, "_encode", counting)
+    with Emitter(sock_path, retry_interval=1.0, clock=lambda: now[0]) as em:
+        em.emit(REC)  # nobody there: encoded, refused, backs off
+        em.flush()
+        assert len(encoded) == 1
+        for step in range(5):
+            em.emit({**REC, "step": step})
+        em.flush()
+        assert (len(encoded), em.sent, em.dropped) == (1, 0, 6)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(sock_path)
+        s.setblocking(False)
+        try:
+            now[0] += 1.5
+            em.emit({**REC, "step": 9})
+            em.flush()
+            assert (len(encoded), em.sent, em.dropped) == (2, 1, 6)
+            assert drain(s) == [{**REC, "step": 9}]
+        finally:
+            s.close()
+
+
 def test_daemon_gone_midway(sock_path: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(sock_path)
