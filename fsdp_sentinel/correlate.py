@@ -97,6 +97,10 @@ class PairFlow(NamedTuple):
     # The window's samples, ``(t, dt, tx, rx, srtt_us, retrans, cwnd)``: the
     # network rule takes its medians from them, only when it needs them.
     samples: tuple[tuple[Any, ...], ...] = ()
+    # Every sample's source was a loopback address (:func:`loopback_endpoint`):
+    # no wire and no queue between the ends, so its srtt and retransmits say
+    # how promptly the two processes ran, nothing about a network.
+    loopback: bool = False
 
 
 class RankLiveness(NamedTuple):
@@ -432,6 +436,16 @@ def _picker(idx: list[int]) -> Callable[[Sequence[float]], Sequence[float]]:
     return itemgetter(*idx)
 
 
+#: How a loopback endpoint begins (``probes.records.endpoint``'s forms: IPv4,
+#: bracketed IPv6, IPv4-mapped IPv6).
+_LOOPBACK_PREFIXES = ("127.", "[::1]", "[::ffff:127.")
+
+
+def loopback_endpoint(endpoint: object) -> bool:
+    """Is ``endpoint`` (``addr:port``) on a loopback address?"""
+    return isinstance(endpoint, str) and endpoint.startswith(_LOOPBACK_PREFIXES)
+
+
 class _Pair:
     """A directed pair's flow samples over the window, and its totals."""
 
@@ -445,6 +459,7 @@ class _Pair:
         "rx_rate",
         "view",
         "last_t",
+        "loopback",
     )
 
     def __init__(self) -> None:
@@ -458,6 +473,7 @@ class _Pair:
         self.rx_rate: float | None = None
         # flow_matrix's figures for these samples; None once they change.
         self.view: PairFlow | None = None
+        self.loopback = True  # until a sample from a routable address comes
         self.last_t = 0.0  # its newest sample's time (the sweep's time-to-live)
 
 
@@ -1026,6 +1042,8 @@ class Correlator:
         pair.tx_total += tx
         pair.rx_total += rx
         pair.retrans_total += retrans
+        if pair.loopback and not loopback_endpoint(rec["src"]):
+            pair.loopback = False
         if srtt is not None:
             pair.srtt_us = float(srtt)
         if dt > 0:
@@ -1370,6 +1388,7 @@ class Correlator:
                 (wsum / wbytes) if wbytes else None,
                 retrans,
                 tuple(samples),
+                pair.loopback,
             )
             out.append(view)
         self._matrix = matrix = tuple(out)

@@ -214,3 +214,57 @@ def test_a_side_groups_sparse_flows_between_non_neighbours_are_no_slow_link() ->
     # The same srtt on a pair that carries the job's data is a slow link.
     view = network_view(tuple(sorted(ring + side(2 << 20))), [0, 1, 2, 3], None, cfg)
     assert view.links == {0: (2, "srtt", pytest.approx(700.0 / 300.0))}
+
+
+def _on_loopback(recs: list[dict]) -> list[dict]:
+    """The same job with every address moved into 127/8 (one address a rank, as
+    distinct as before, so every flow is still attributed to its pair)."""
+    out = []
+    for r in recs:
+        r = dict(r)
+        for k in ("src", "dst"):
+            if isinstance(r.get(k), str):
+                r[k] = r[k].replace("198.18.", "127.18.", 1)
+        if "addrs" in r:
+            r["addrs"] = [a.replace("198.18.", "127.18.", 1) for a in r["addrs"]]
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_loopback_flows_are_no_network_evidence(seed: int) -> None:
+    """Between two processes of one host there is no wire and no queue: a loopback
+    flow's srtt and retransmits say how promptly its ends ran. A slow, lossy host's
+    flows flag it ``network`` when they crossed a network, and nothing when the
+    very same figures were taken on loopback."""
+    scn = S.Scenario(seed=seed, faults=(S.SlowNetwork(2, 1.5, 10, 30, retrans_per_s=20.0),), **REAL)
+    recs, _ = S.generate(scn)
+    routed = [v for v in Pipeline().feed_many(recs) if v["state"] == "flagged"]
+    assert [(v["rank"], v["cause"]) for v in routed] == [(2, "network")]
+    looped = [v for v in Pipeline().feed_many(_on_loopback(recs)) if v["state"] == "flagged"]
+    assert not [v for v in looped if v["cause"] == "network"], looped
+
+
+def test_a_pair_is_loopback_only_while_every_sample_came_from_a_loopback_address() -> None:
+    from fsdp_sentinel.correlate import Correlator, loopback_endpoint
+
+    assert loopback_endpoint("127.0.0.1:29500")
+    assert loopback_endpoint("[::1]:29500")
+    assert loopback_endpoint("[::ffff:127.0.0.1]:29500")
+    assert not loopback_endpoint("198.18.0.1:29500")
+    assert not loopback_endpoint("[fd00::1]:29500")
+    assert not loopback_endpoint(None)
+    corr = Correlator()
+    for rank, addr in ((0, "127.0.0.1"), (1, "127.0.0.2")):
+        corr.add_rank({"kind": "rank", "t": 1.0, "rank": rank, "world_size": 2, "host": "h",
+                       "pid": 100 + rank, "addrs": [addr]})  # fmt: skip
+
+    def flow(t: float, src: str, dst: str) -> dict:
+        return {"kind": "flow", "t": t, "dt": 1.0, "host": "h", "pid": 100, "src": src,
+                "dst": dst, "tx_bytes": 1 << 20, "rx_bytes": 0, "srtt_us": 100.0, "retrans": 0}  # fmt: skip
+
+    assert corr.add_flow(flow(2.0, "127.0.0.1:40000", "127.0.0.2:29500")) == (0, 1)
+    assert [p.loopback for p in corr.flow_matrix(2.0)] == [True]
+    # The same pair reached over a routed address too: no longer loopback only.
+    assert corr.add_flow(flow(3.0, "198.18.0.1:40001", "127.0.0.2:29500")) == (0, 1)
+    assert [p.loopback for p in corr.flow_matrix(3.0)] == [False]
