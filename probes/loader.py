@@ -249,7 +249,7 @@ class ProbeSet:
         self.naming_polls = 0  # polls it stayed attached for (bench, tests)
         self._registered: set[int] = set()
         self._attached_libs: set[tuple[int, int]] = set()
-        self._scanner = LibraryScanner(self.config.proc_root)
+        self._scanner = LibraryScanner(self.config.proc_root, self.config.library_scan_interval)
         self._last_scan = float("-inf")
         self._rdma = (
             RdmaReader(self.config.rdma_root, host=self.config.host, clock=clock)
@@ -421,11 +421,14 @@ class ProbeSet:
             if self._bpf is not None:
                 self._bpf[b"pids"][ct.c_uint(pid)] = ct.c_ubyte(1)
         if self._bpf is not None:
-            self._attach_found(self._scanner.scan([pid]))
+            # Read now (a new process), then on the scanner's backoff: the
+            # hooks announce a rank again after every daemon restart.
+            self._attach_found(self._scanner.scan([pid], time.monotonic()))
 
     def unregister_pid(self, pid: int) -> None:
         with self._lock:
             self._registered.discard(pid)
+            self._scanner.forget(pid)
             if self._bpf is not None:
                 with contextlib.suppress(KeyError):
                     del self._bpf[b"pids"][ct.c_uint(pid)]
@@ -441,7 +444,9 @@ class ProbeSet:
             return
         self._last_scan = now
         pids = sorted(self._registered) if self.config.pid_filter else None
-        self._attach_found(self._scanner.scan(pids))
+        # Each process's maps on its own backoff (libscan.LibraryScanner);
+        # ``force`` reads every one now.
+        self._attach_found(self._scanner.scan(pids, None if force else now))
 
     def attach_library(self, path: str, kind: str) -> list[str]:
         """Attach the ``kind`` ("nccl" or "verbs") uprobes to the library at

@@ -248,6 +248,52 @@ def test_library_scan_finds_nccl_and_verbs(tmp_path: Path) -> None:
     assert scan.scan() == []  # nothing new
 
 
+def test_library_scan_reads_each_process_on_a_backoff(tmp_path: Path) -> None:
+    """Reading maps costs the kernel a walk of every mapping: a process is read
+    when first seen, then after 5, 10, 20, 40, 60, 60 s...; a library it maps
+    late is found at the next read; one that maps both is never read again."""
+    from fsdp_sentinel.probes.libscan import RESCAN_MAX_S
+
+    heap = "7f30-7f40 rw-p 00000000 00:00 0 [heap]\n"
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "maps").write_text(heap)
+    scan = LibraryScanner(str(tmp_path), first_gap=5.0)
+    reads_at = []
+    for t in range(0, 200):
+        before = scan.reads
+        scan.scan([41], float(t))
+        if scan.reads > before:
+            reads_at.append(t)
+    assert reads_at == [0, 5, 15, 35, 75, 135, 195]
+    assert RESCAN_MAX_S == 60.0
+    # NCCL is dlopened late: found at the next read that is due, not before.
+    (tmp_path / "41" / "maps").write_text(
+        heap + "7f00-7f10 r-xp 00000000 08:01 1 /opt/nv/lib/libnccl.so.2.21.5\n"
+    )
+    assert scan.scan([41], 254.0) == []
+    assert scan.scan([41], 255.0) == [("nccl", f"{tmp_path}/41/root/opt/nv/lib/libnccl.so.2.21.5")]
+    # A process that maps both libraries is done with.
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "maps").write_text(
+        "7f00-7f10 r-xp 00000000 08:01 1 /opt/nv/lib/libnccl.so.2.21.5\n"
+        "7f10-7f20 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libibverbs.so.1.14.44.0\n"
+    )
+    before = scan.reads
+    assert len(scan.scan([42], 0.0)) == 2
+    for t in range(1, 400, 7):
+        scan.scan([42], float(t))
+    assert scan.reads == before + 1
+    # A pid forgotten (its process exited) is read at once when seen again.
+    scan.forget(41)
+    before = scan.reads
+    scan.scan([41], 256.0)
+    assert scan.reads == before + 1
+    # Without ``now`` (a forced scan) every process is read.
+    before = scan.reads
+    scan.scan([41, 42])
+    assert scan.reads == before + 2
+
+
 def test_flows_table_fits_80_columns() -> None:
     rec = {
         "pid": 4194304,
