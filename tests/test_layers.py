@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     # contracts and facts about this process: import nothing of ours
     "__init__": 0,
     "trace": 0,
+    "rankstep": 0,
     "snapshot": 0,
     "buckets": 0,
     "hostinfo": 0,

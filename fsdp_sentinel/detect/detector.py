@@ -9,8 +9,9 @@ lives in its own module; this one only orders them.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
-from fsdp_sentinel.correlate import Summary
+from fsdp_sentinel.correlate import RankStep, Summary
 from fsdp_sentinel.detect import baseline as B
 from fsdp_sentinel.detect import compute, lost, network, noise, persistence, stall
 from fsdp_sentinel.detect.config import DetectConfig
@@ -127,140 +128,41 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         else None
     )
     n_flagged = sum(1 for t in tracks.values() if t.cause) if attributed is not None else 0
+    ctx = _StepContext(
+        summary,
+        step,
+        cfg,
+        n_lates,
+        lates_sorted,
+        ref_step,
+        base,
+        bar,
+        low,
+        attributed,
+        n_flagged,
+        warm,
+        stretched_now,
+        stall_explained,
+        net,
+        explainers,
+        job_step,
+        stretch,
+    )
     rel_seen: list[float] = []
     suspect = False
     any_candidate = False
     scores: list[RankScore] = []
     for rs in present:
         tr = tracks.get(rs.rank)
-        if tr is None:
-            tr = NEW_TRACK
-        mine = attributed if n_flagged == (1 if tr.cause else 0) else None
-        (
-            rel_now,
-            rel_hist,
-            relative,
-            ind_hist,
-            individual,
-            rel_long,
-            slow,
-            rel_trend,
-            aging,
-        ) = compute.score(rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg, mine)
-        if rel_now is not None:
-            rel_seen.append(rel_now)
-        if relative is not None and relative >= cfg.baseline.min_effect:
-            suspect = True
-
-        # One candidate cause per rank: compute (it arrives last) before
-        # network (the job is slow while nobody is late).
-        candidate: str | None = None
-        if warm and compute.is_candidate(slow, relative, individual, bar, cfg):
-            candidate = "compute"
-        elif (
-            stretched_now
-            and (tr.cause == "network" or not stall_explained)
-            and network.is_candidate(rs.rank, net, tr.cause == "network", cfg.network)
-            and (
-                tr.cause == "network"
-                or not (explainers - {rs.rank})
-                or network.stands_beside(rs.rank, net, cfg.network)
-            )
-        ):
-            candidate = "network"
-        if candidate is not None:
-            any_candidate = True
-
-        cause, flagged_step = tr.cause, tr.flagged_step
-        compute_hist, compute_sorted = compute.own_history(
-            tr, rs, candidate is None and cause is None, rel_now, bar, cfg.baseline.history
-        )
-        bad, clean, action = persistence.step(
-            tr.bad,
-            tr.clean,
-            cause,
-            candidate,
-            rel_now is not None or stretch is not None,
-            cfg.persistence,
-        )
-        if action is persistence.FLAG and candidate is not None:
-            cause, flagged_step = candidate, step
-            peer = None
-            if candidate == "compute":
-                ratio = net.ratio.get(rs.rank, 1.0)
-                score, evidence = compute.evidence(
-                    rs,
-                    relative,
-                    individual,
-                    ratio if ratio >= 1.5 else None,
-                    rel_long if relative is not None and relative < bar else None,
-                    bar,
-                    rel_trend if aging is not None or relative is not None else (),
-                    compute.attributed_by(rel_long, relative, bar, low, mine, stretch),
-                )
-            else:
-                score, evidence, peer = network.evidence(rs, relative, net, stretch)
-            evidence["job_step_s"] = rnd(job_step)
-            evidence["baseline_step_s"] = rnd(base)
-            verdicts.append(
-                Verdict(
-                    summary.t,
-                    step,
-                    rs.rank,
-                    "flagged",
-                    cause,
-                    score,
-                    _host(summary, rs.rank),
-                    peer,
-                    evidence,
-                )
-            )
-        elif action is persistence.CLEAR and cause is not None:
-            verdicts.append(
-                Verdict(
-                    summary.t,
-                    step,
-                    rs.rank,
-                    "cleared",
-                    cause,
-                    (relative or 0.0) if cause == "compute" else net.ratio.get(rs.rank, 0.0),
-                    _host(summary, rs.rank),
-                    None,
-                    {"clean_steps": clean, "flagged_step": flagged_step},
-                )
-            )
-            cause, flagged_step = None, None
-        # Positional, in field order: a NamedTuple called with keywords takes
-        # twice as long, and this runs for every rank of every step.
-        tracks[rs.rank] = RankTrack(
-            rel_hist,
-            ind_hist,
-            compute_hist,
-            bad,
-            clean,
-            cause,
-            flagged_step,
-            rel_long,
-            compute_sorted,
-            rel_trend,
-        )
-        matched = rs.matched
-        scores.append(
-            RankScore(
-                rs.rank,
-                relative,
-                individual,
-                net.ratio.get(rs.rank),  # network
-                net.share.get(rs.rank),  # retrans_share
-                rs.late_s if matched else None,
-                rs.compute_s,
-                rs.wait_s,
-                rs.last_frac if matched else None,
-                candidate,
-                "flagged" if cause else "ok",  # state
-                cause,
-            )
-        )
+        judged = _judge_rank(rs, NEW_TRACK if tr is None else tr, ctx)
+        tracks[rs.rank] = judged.track
+        scores.append(judged.score)
+        if judged.verdict is not None:
+            verdicts.append(judged.verdict)
+        if judged.rel_now is not None:
+            rel_seen.append(judged.rel_now)
+        suspect = suspect or judged.suspect
+        any_candidate = any_candidate or judged.score.candidate is not None
 
     anyone_flagged = any(t.cause for t in tracks.values())
     job_hist, stretched = B.next_job_hist(
@@ -334,4 +236,168 @@ def _warmup(
         scores,
         tuple(sorted(lost_verdicts, key=_by_rank)),
         replace(state, lost=lost_now, hung=hung_now, warmup=state.warmup - 1),
+    )
+
+
+class _StepContext(NamedTuple):
+    """What every rank's judgement in one step reads (:func:`_judge_rank`)."""
+
+    summary: Summary
+    step: int
+    cfg: DetectConfig
+    n_lates: int
+    lates_sorted: list[float]
+    ref_step: float | None
+    base: float | None
+    bar: float
+    low: float
+    attributed: float | None
+    n_flagged: int
+    warm: bool
+    stretched_now: bool
+    stall_explained: bool
+    net: network.NetView
+    explainers: frozenset[int]
+    job_step: float | None
+    stretch: float | None
+
+
+class Judged(NamedTuple):
+    """One rank's judgement in one step: its next track, its score, the verdict it
+    raised (None: none), its relative score now (for the noise pool) and whether
+    its window's score was suspect (at least ``min_effect``)."""
+
+    track: RankTrack
+    score: RankScore
+    verdict: Verdict | None
+    rel_now: float | None
+    suspect: bool
+
+
+def _judge_rank(rs: RankStep, tr: RankTrack, ctx: _StepContext) -> Judged:
+    """Score one rank against its track, pick its candidate cause, and apply persistence."""
+    (
+        summary, step, cfg, n_lates, lates_sorted, ref_step, base, bar, low, attributed,
+        n_flagged, warm, stretched_now, stall_explained, net, explainers, job_step, stretch,
+    ) = ctx  # fmt: skip
+    verdict: Verdict | None = None
+    mine = attributed if n_flagged == (1 if tr.cause else 0) else None
+    (
+        rel_now,
+        rel_hist,
+        relative,
+        ind_hist,
+        individual,
+        rel_long,
+        slow,
+        rel_trend,
+        aging,
+    ) = compute.score(rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg, mine)
+
+    # One candidate cause per rank: compute (it arrives last) before
+    # network (the job is slow while nobody is late).
+    candidate: str | None = None
+    if warm and compute.is_candidate(slow, relative, individual, bar, cfg):
+        candidate = "compute"
+    elif (
+        stretched_now
+        and (tr.cause == "network" or not stall_explained)
+        and network.is_candidate(rs.rank, net, tr.cause == "network", cfg.network)
+        and (
+            tr.cause == "network"
+            or not (explainers - {rs.rank})
+            or network.stands_beside(rs.rank, net, cfg.network)
+        )
+    ):
+        candidate = "network"
+
+    cause, flagged_step = tr.cause, tr.flagged_step
+    compute_hist, compute_sorted = compute.own_history(
+        tr, rs, candidate is None and cause is None, rel_now, bar, cfg.baseline.history
+    )
+    bad, clean, action = persistence.step(
+        tr.bad,
+        tr.clean,
+        cause,
+        candidate,
+        rel_now is not None or stretch is not None,
+        cfg.persistence,
+    )
+    if action is persistence.FLAG and candidate is not None:
+        cause, flagged_step = candidate, step
+        peer = None
+        if candidate == "compute":
+            ratio = net.ratio.get(rs.rank, 1.0)
+            score, evidence = compute.evidence(
+                rs,
+                relative,
+                individual,
+                ratio if ratio >= 1.5 else None,
+                rel_long if relative is not None and relative < bar else None,
+                bar,
+                rel_trend if aging is not None or relative is not None else (),
+                compute.attributed_by(rel_long, relative, bar, low, mine, stretch),
+            )
+        else:
+            score, evidence, peer = network.evidence(rs, relative, net, stretch)
+        evidence["job_step_s"] = rnd(job_step)
+        evidence["baseline_step_s"] = rnd(base)
+        verdict = Verdict(
+            summary.t,
+            step,
+            rs.rank,
+            "flagged",
+            cause,
+            score,
+            _host(summary, rs.rank),
+            peer,
+            evidence,
+        )
+    elif action is persistence.CLEAR and cause is not None:
+        verdict = Verdict(
+            summary.t,
+            step,
+            rs.rank,
+            "cleared",
+            cause,
+            (relative or 0.0) if cause == "compute" else net.ratio.get(rs.rank, 0.0),
+            _host(summary, rs.rank),
+            None,
+            {"clean_steps": clean, "flagged_step": flagged_step},
+        )
+        cause, flagged_step = None, None
+    # Positional, in field order: a NamedTuple called with keywords takes
+    # twice as long, and this runs for every rank of every step.
+    track = RankTrack(
+        rel_hist,
+        ind_hist,
+        compute_hist,
+        bad,
+        clean,
+        cause,
+        flagged_step,
+        rel_long,
+        compute_sorted,
+        rel_trend,
+    )
+    matched = rs.matched
+    return Judged(
+        track,
+        RankScore(
+            rs.rank,
+            relative,
+            individual,
+            net.ratio.get(rs.rank),  # network
+            net.share.get(rs.rank),  # retrans_share
+            rs.late_s if matched else None,
+            rs.compute_s,
+            rs.wait_s,
+            rs.last_frac if matched else None,
+            candidate,
+            "flagged" if cause else "ok",  # state
+            cause,
+        ),
+        verdict,
+        rel_now,
+        relative is not None and relative >= cfg.baseline.min_effect,
     )
