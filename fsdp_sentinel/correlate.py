@@ -26,8 +26,9 @@ This module does no I/O and keeps no clock: the caller says what time it is.
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, bisect_right
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import reduce
@@ -51,8 +52,6 @@ _END, _RANK, _STEP, _GROUP = KEY["end"], KEY["rank"], KEY["step"], KEY["group"]
 _KIND, _HOST_PID, _START = KEY["kind"], KEY["host_pid"], KEY["start"]
 _T, _DT, _HOST = KEY["t"], KEY["dt"], KEY["host"]
 _OP, _BYTES = KEY["op"], KEY["bytes"]
-#: What the columnar step summary reads of a coll record, in one lookup pass.
-_COLUMN_FIELDS = itemgetter(*(KEY[f] for f in ("rank", "seq", "issue", "end", "op", "bytes")))
 
 #: A step of at least this many ranks is summarised as columns
 #: (:class:`~fsdp_sentinel.rankstep.StepRanks`, :meth:`Correlator._rank_steps_columnar`):
@@ -657,6 +656,63 @@ _top_seq = top_seq
 _blocked = blocked_s
 
 
+#: A coll record without a ``group`` field, as :class:`StepColumns` files its group.
+_NO_GROUP = object()
+_RANK_OF, _SEQ_OF = itemgetter(KEY["rank"]), itemgetter(KEY["seq"])
+_ISSUE_OF, _END_OF, _BYTES_OF = itemgetter(KEY["issue"]), itemgetter(_END), itemgetter(KEY["bytes"])
+
+
+class StepColumns:
+    """One step's filed ``coll`` records as columns, every rank's, in filing order.
+
+    Filled as the records are filed, while each is still in the cache: at
+    thousands of ranks a step's records are spread over tens of megabytes by
+    the time the step is summarised, and reading them then costs a cache miss
+    for every field of every record (a step of 4,096 ranks: ~2 us a record
+    read late, against ~0.2 us here). What the columnar step summary reads
+    instead of the records: ``rank``, ``seq`` and ``nbytes`` as int64,
+    ``issue`` and ``end`` as float64, ``op`` and ``group`` as indices into
+    ``names`` (each distinct value once; :data:`_NO_GROUP` for a record that
+    names no group). ``ok`` turns false for good when a record's field does
+    not fit its column (never for a record the trace format let through):
+    then the step is summarised from the records.
+    """
+
+    __slots__ = ("rank", "seq", "issue", "end", "nbytes", "op", "group", "names", "ok")
+
+    def __init__(self) -> None:
+        self.rank = array("q")
+        self.seq = array("q")
+        self.issue = array("d")
+        self.end = array("d")
+        self.nbytes = array("q")
+        self.op = array("q")
+        self.group = array("q")
+        # value -> its index (a new value gets the next one, in C)
+        self.names: defaultdict[Any, int] = defaultdict()
+        self.names.default_factory = self.names.__len__
+        self.ok = True
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def extend(self, recs: Sequence[Record]) -> None:
+        """File ``recs`` (records already filed under their ranks, all of this step)."""
+        if not self.ok:
+            return
+        intern = self.names.__getitem__
+        try:
+            self.rank.extend(map(_RANK_OF, recs))
+            self.seq.extend(map(_SEQ_OF, recs))
+            self.issue.extend(map(_ISSUE_OF, recs))
+            self.end.extend(map(_END_OF, recs))
+            self.nbytes.extend(map(_BYTES_OF, recs))
+            self.op.extend(map(intern, map(dict.get, recs, repeat(_OP))))
+            self.group.extend(map(intern, map(dict.get, recs, repeat(_GROUP), repeat(_NO_GROUP))))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            self.ok = False  # the columns no longer line up: the records say it all
+
+
 class Correlator:
     """Files records by rank and step; builds :class:`Summary` objects on demand.
 
@@ -696,10 +752,8 @@ class Correlator:
         # step -> (rank, step) filings of step or coll records not yet summarised:
         # ``pending_steps`` without a pass over every rank (quadratic at scale).
         self._filed: dict[int, int] = {}
-        # step -> its filed coll records in filing order, every rank's (the
-        # columnar summary reads them in the order they sit in memory: rank
-        # by rank, at thousands of ranks, is a cache miss a record).
-        self._step_recs: dict[int, list[Record]] = {}
+        # step -> its filed coll records as columns (the columnar step summary's)
+        self._step_cols: dict[int, StepColumns] = {}
         self.summarised = -(10**18)  # newest step summarised
         self._colls_done = 0  # coll records no longer filed: summarised, or dropped as late
         self.late_records = 0
@@ -864,12 +918,22 @@ class Correlator:
                     rs.last_t = end
                 if len(lst) < self._colls_cap:
                     lst.append(rec)
-                    self._step_recs[step].append(rec)
+                    if len(self.ranks) >= COLUMNAR_RANKS:
+                        self._cols_of(step).extend((rec,))
                 else:
                     self.evicted["coll"] += 1
                     self._colls_done += 1
                 return end
-        return self._add_first_coll(rec, end, rank)
+        end = self._add_first_coll(rec, end, rank)
+        if end != -math.inf and len(self.ranks) >= COLUMNAR_RANKS:  # filed, in a big job
+            self._cols_of(rec[_STEP]).extend((rec,))
+        return end
+
+    def _cols_of(self, step: Any) -> StepColumns:
+        cols = self._step_cols.get(step)
+        if cols is None:
+            cols = self._step_cols[step] = StepColumns()
+        return cols
 
     def add_coll_run(
         self,
@@ -899,9 +963,13 @@ class Correlator:
         ranks = self.ranks
         cap = self._colls_cap
         first = self._add_first_coll
-        step_recs = self._step_recs
         n = len(recs)
         start = i
+        # In a job big enough to be summarised as columns, the run's filed
+        # records go to their step's columns a stretch at a time (consecutive
+        # filed records of one step), while hot.
+        cols_on = len(ranks) >= COLUMNAR_RANKS
+        seg, seg_step = i, None
         try:
             for i in range(start, n):  # i: where the run stopped, at a break
                 rec = recs[i]
@@ -926,19 +994,31 @@ class Correlator:
                     # does with it, here rather than through feed (it raises,
                     # if at all, before it changes anything).
                     end = first(rec, end, rank)
+                    if end == -math.inf and cols_on:  # late: not filed, so no column's
+                        if seg_step is not None:
+                            self._step_cols[seg_step].extend(recs[seg:i])
+                        seg, seg_step = i + 1, None
+                        continue
                 elif len(lst) < cap:
                     if end > rs.last_t:
                         rs.last_t = end
                     lst.append(rec)
-                    step_recs[step].append(rec)
                 else:
                     break
+                if cols_on and step != seg_step:
+                    if seg_step is not None:
+                        self._step_cols[seg_step].extend(recs[seg:i])
+                    seg, seg_step = i, step
+                    if step not in self._step_cols:
+                        self._step_cols[step] = StepColumns()
                 if end > now:
                     now = end  # made a float once, on the way out
             else:
                 i = n
         except (KeyError, TypeError, AttributeError):
             pass  # the ordinary path says what is wrong with it
+        if seg_step is not None:
+            self._step_cols[seg_step].extend(recs[seg:i])
         return i, float(now)
 
     def _add_first_coll(self, rec: Record, end: Any, rank: Any) -> Any:
@@ -966,11 +1046,6 @@ class Correlator:
         if rs.max_coll_step < 0 and rs.done_step < 0:
             self._busy(rs)
         colls[step] = [rec]
-        in_step = self._step_recs.get(step)
-        if in_step is None:
-            self._step_recs[step] = [rec]
-        else:
-            in_step.append(rec)
         self._filed[step] = self._filed.get(step, 0) + 1
         if step > rs.max_coll_step:
             rs.max_coll_step = step
@@ -1218,7 +1293,7 @@ class Correlator:
         if step > self.summarised:
             self.summarised = step
         taken: list[tuple[_Rank, Record | None, list[Record] | None]] = []
-        in_step = self._step_recs.pop(step, None)
+        filed = self._step_cols.pop(step, None)
         ranks = self.ranks
         for rank in sorted(ranks):
             rs = ranks[rank]
@@ -1233,8 +1308,8 @@ class Correlator:
                 continue
             taken.append((rs, srec, colls))
         out: Sequence[RankStep] | None = None
-        if len(taken) >= COLUMNAR_RANKS and in_step:
-            out = self._rank_steps_columnar(taken, in_step)
+        if len(taken) >= COLUMNAR_RANKS and filed:
+            out = self._rank_steps_columnar(taken, filed)
         if out is None:
             out = self._rank_steps(taken)
         # Anything older than this step that is still filed arrived too late
@@ -1340,70 +1415,63 @@ class Correlator:
     def _rank_steps_columnar(
         self,
         taken: list[tuple[_Rank, Record | None, list[Record] | None]],
-        in_step: list[Record],
+        filed: StepColumns,
     ) -> StepRanks | None:
         """:meth:`_rank_steps` for a step of many ranks, as columns (:class:`StepRanks`),
-        when every rank with collectives reported the same ones in the same order
-        with well-typed fields (FSDP's usual step); None otherwise.
+        from its :class:`StepColumns` (``filed``), when every rank with collectives
+        reported the same ones in the same order (FSDP's usual step); None otherwise.
 
-        ``in_step``: the step's coll records in filing order. They are read in
-        that order, once each: it is the order they sit in memory, where
-        reading them rank by rank costs a cache miss a record at thousands of
-        ranks (3.6 against 0.2 us a record, 4,096 ranks). The same figures to
-        the last bit: the waits are the same float subtractions, each rank's
-        total wait and the longest waits are summed left to right as
-        :func:`coll_columns` and the scalar path sum them, and every
-        ``max(0.0, x)`` keeps the scalar path's choice of zero.
+        The same figures to the last bit as the scalar path for the trace
+        format's records (times read as floats): the waits are the same
+        subtractions, each rank's total wait and the longest waits are summed
+        left to right as :func:`coll_columns` and the scalar path sum them, and
+        every ``max(0.0, x)`` keeps the scalar path's choice of zero.
         """
         with_colls = [(rs, c) for rs, _, c in taken if c]
         n_ranks = len(with_colls)
-        if n_ranks < 2 or len(in_step) != sum(len(c) for _, c in with_colls):
-            return None  # a rank's records evicted from the step: the scalar path
-        n, rem = divmod(len(in_step), n_ranks)
+        if n_ranks < 2 or not filed.ok or len(filed) != sum(len(c) for _, c in with_colls):
+            return None  # a rank's records evicted, or a field unfit for its column
+        n, rem = divmod(len(filed), n_ranks)
         if rem:
             return None
-        try:
-            rank_t, seq_t, issue_t, end_t, ops_t, bytes_t = zip(
-                *map(_COLUMN_FIELDS, in_step), strict=True
-            )
-        except KeyError:
-            return None  # no op or bytes, or worse: the scalar path's checks
-        ids = np.array(rank_t)
-        seqs = np.array(seq_t)
-        issues = np.array(issue_t)
-        ends = np.array(end_t)
-        if (
-            ids.dtype.kind != "i"
-            or seqs.dtype.kind != "i"
-            or issues.dtype.kind != "f"
-            or ends.dtype.kind != "f"
-        ):
-            return None  # the scalar path's types and checks
+        ids = np.frombuffer(filed.rank, dtype=np.int64)
         # Rank by rank, each rank's records in filing order (its own list's order).
         order = np.argsort(ids, kind="stable")
         by_rank = ids[order].reshape(n_ranks, n)
         want = np.array([rs.rank for rs, _ in with_colls])
         if not (by_rank == want[:, None]).all():
             return None  # some rank sent more collectives than another
-        seq_m = seqs[order].reshape(n_ranks, n)
-        if not (seq_m == seq_m[0]).all() or len(set(seq_m[0].tolist())) != n:
-            return None  # not the same collectives, or one delivered twice
-        at = order.tolist()  # filing-order index of each rank's records, rank by rank
-        row0 = at[:n]
+
+        def rows(col: array) -> np.ndarray:  # type: ignore[type-arg]
+            a = np.frombuffer(col, dtype=np.int64 if col.typecode == "q" else np.float64)
+            return a[order].reshape(n_ranks, n)
+
+        seq_m, op_m, bytes_m, group_m = (
+            rows(filed.seq),
+            rows(filed.op),
+            rows(filed.nbytes),
+            rows(filed.group),
+        )
+        if not ((seq_m == seq_m[0]).all() and (group_m == group_m[0]).all()):
+            return None  # not the same collectives
+        names = list(filed.names)  # index -> value
+        seq0 = seq_m[0].tolist()
+        groups0 = [names[g] for g in group_m[0].tolist()]
         keys: Sequence[Any]
-        if any(_GROUP in c[0] for _, c in with_colls):
-            groups = list(map(dict.get, in_step, repeat(_GROUP)))
-            g_rows = [groups[i] for i in at]
-            if g_rows != g_rows[:n] * n_ranks or None in g_rows[:n]:
-                return None  # keys differ, or some rank names no group
-            keys = [(str(groups[i]), seq_t[i]) for i in row0]
+        if all(g is _NO_GROUP for g in groups0):
+            keys = tuple(seq0)
+        elif all(type(g) is str for g in groups0):
+            keys = [(g, q) for g, q in zip(groups0, seq0, strict=True)]
         else:
-            keys = tuple(seq_t[i] for i in row0)
-        ops = [ops_t[i] for i in at]
-        nbytes = [bytes_t[i] for i in at]
-        same_ops = ops == ops[:n] * n_ranks and nbytes == nbytes[:n] * n_ranks
-        issue = issues[order].reshape(n_ranks, n)
-        end = ends[order].reshape(n_ranks, n)
+            return None  # some name a group and some not, or not as a string
+        if len(set(keys)) != n:
+            return None  # a datagram delivered twice: the scalar path drops the copy
+        ops0 = [names[o] for o in op_m[0].tolist()]
+        if not all(type(o) is str for o in ops0):
+            return None
+        same_ops = bool((op_m == op_m[0]).all() and (bytes_m == bytes_m[0]).all())
+        issue = rows(filed.issue)
+        end = rows(filed.end)
         waits = end - issue
         total = np.zeros(n_ranks)
         for j in range(n):  # left to right, as reduce(add, waits, 0.0)
@@ -1423,7 +1491,7 @@ class Correlator:
             blocked[i] = _merged_length(list(zip(issue[i].tolist(), end[i].tolist(), strict=True)))
         wait_rows = waits.tolist()
         # Per-op totals: one plan for every rank when they all issued the same ops.
-        plan = _op_plan(ops[:n], nbytes[:n]) if same_ops else None
+        plan = _op_plan(ops0, bytes_m[0].tolist()) if same_ops else None
         op_secs: list[list[float]] = []
         if plan is not None:
             for _key, _cnt, _b, pick, _at in plan.per_op:
@@ -1465,7 +1533,7 @@ class Correlator:
                     rs.add_ops(
                         CollColumns(
                             keys, issue_rows[i], end_rows[i], wait_rows[i], total_l[i],
-                            ops[i * n : (i + 1) * n], nbytes[i * n : (i + 1) * n],
+                            [names[o] for o in op_m[i].tolist()], bytes_m[i].tolist(),
                         ),
                         max_ops,
                         evicted,
@@ -1664,4 +1732,4 @@ class Correlator:
             self._filed[step] = n
         else:
             del self._filed[step]
-            self._step_recs.pop(step, None)
+            self._step_cols.pop(step, None)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_sentinel.detect import DetectConfig, DetectState
-from fsdp_sentinel.detect.state import NEW_TRACK
+from fsdp_sentinel.detect.state import restart_tracks
 from fsdp_sentinel.pipeline import Pipeline, feed_all
 from fsdp_sentinel.snapshot import JobView, Snapshot
 from fsdp_sentinel.trace import KEY
@@ -125,12 +125,8 @@ def restart_state(old: DetectState, warmup: int = 0) -> DetectState:
     persistence counters and the network memo. The attempt's first ``warmup``
     steps are a warm-up (``restart_warmup``), as a job's first steps are.
     """
-    tracks = {
-        r: NEW_TRACK._replace(compute_hist=t.compute_hist, compute_sorted=t.compute_sorted)
-        for r, t in old.tracks.items()
-    }
     return DetectState(
-        tracks=tracks,
+        tracks=restart_tracks(old.tracks),
         job_hist=old.job_hist,
         srtt_hist=old.srtt_hist,
         rel_noise=old.rel_noise,

@@ -36,6 +36,7 @@ from fsdp_sentinel.correlate import Correlator, RankLiveness, StateLimits, Summa
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.fabric import FabricTotals
 from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.rankstep import StepRanks
 from fsdp_sentinel.trace import record_time
 
 Record = dict[str, Any]
@@ -149,6 +150,17 @@ class LeaderCorrelator(Correlator):
             self.late_records += sum(sum(d.n_coll) for d in self.digests.pop(old))
         out = rank_steps(digests)
         ranks = self.ranks
+        if isinstance(out, StepRanks):  # a big step: no RankStep made per rank
+            times = [None if x != x else x for x in out.step_s.tolist()]  # NaN: no step record
+            rows = zip(out.rank.tolist(), times, out.wait_s.tolist(), strict=True)
+            for k, (r, st, w) in enumerate(rows):
+                rs = ranks[r]
+                rs.last = (out, k)
+                if st is not None:
+                    rs.steps_total += 1
+                    rs.step_seconds_total += st
+                    rs.wait_seconds_total += min(w, st)
+            return self._summary(now, step, out)
         for r in out:
             rs = ranks[r.rank]
             rs.last = r

@@ -42,9 +42,12 @@ from functools import reduce
 from operator import add, itemgetter, le
 from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
+from fsdp_sentinel import correlate
 from fsdp_sentinel.correlate import RankStep, blocked_s, step_columns, top_seq
+from fsdp_sentinel.rankstep import StepRanks
 
 Record = dict[str, Any]
 
@@ -185,13 +188,16 @@ def step_times(d: StepDigest) -> Iterable[tuple[int, float, float]]:
 _FIRST = itemgetter(0)
 
 
-def rank_steps(digests: Sequence[StepDigest]) -> tuple[RankStep, ...]:
+def rank_steps(digests: Sequence[StepDigest]) -> Sequence[RankStep]:
     """Every rank's :class:`RankStep` of one step, from every node's digest of it.
 
     A rank's step time comes from its step record in the digest (a rank with
     collectives but no step record gets None, as in the correlator). When
     every rank issued the same keys (FSDP's usual case) the figures are the
-    correlator's to the last bit: the same maxima, summed in the same order.
+    correlator's to the last bit: the same maxima, summed in the same order;
+    then a step of :data:`~fsdp_sentinel.correlate.COLUMNAR_RANKS` ranks or
+    more comes as columns (:class:`~fsdp_sentinel.rankstep.StepRanks`), as the
+    correlator's does.
     """
     groups = [g for d in digests for g in d.groups]
     with_colls = sum(g.size for g in groups)
@@ -201,14 +207,64 @@ def rank_steps(digests: Sequence[StepDigest]) -> tuple[RankStep, ...]:
         longest = list(map(max, zip(*[g.longest for g in groups], strict=True)))
         shortest = list(map(min, zip(*[g.shortest for g in groups], strict=True)))
         top = reduce(add, longest, 0.0)
-        for d in digests:
-            # Per key: did the node's last-to-arrive arrive last job-wide too?
-            hits = [list(map(le, g.shortest, shortest)) for g in d.groups]
-            _aligned(d, hits, top, out)
+        # Per key: did a node's last-to-arrive arrive last job-wide too?
+        hits = [[list(map(le, g.shortest, shortest)) for g in d.groups] for d in digests]
+        if sum(len(d.ranks) for d in digests) >= correlate.COLUMNAR_RANKS:
+            return _aligned_columns(digests, hits, top)
+        for d, hit in zip(digests, hits, strict=True):
+            _aligned(d, hit, top, out)
     else:
         _unaligned(digests, groups, out)
     out.sort(key=_FIRST)
     return tuple(out)
+
+
+def _aligned_columns(
+    digests: Sequence[StepDigest], hits: list[list[list[bool]]], top: float
+) -> StepRanks:
+    """:func:`_aligned` over every node's digest at once, as columns: the same
+    subtractions, ``max(0.0, x)`` and divisions, and each rank's count of
+    collectives it arrived last at is an integer sum."""
+
+    def col(name: str, kind: type) -> np.ndarray:
+        return np.concatenate([np.asarray(getattr(d, name), dtype=kind) for d in digests])
+
+    ranks = col("ranks", np.int64)
+    wait = col("wait_s", np.float64)
+    total = col("total_wait", np.float64)
+    n = col("n_coll", np.int64)
+    start, end = col("start", np.float64), col("end", np.float64)
+    last_n = col("last_n", np.int64)
+    # Each rank's "last" positions, looked up in its node group's hits.
+    offsets = np.cumsum([0] + [len(h) for h in hits[:-1]])
+    group = col("group", np.int64) + np.repeat(offsets, [len(d.ranks) for d in digests])
+    width = max((len(g) for h in hits for g in h), default=0)
+    flat = [g for h in hits for g in h]
+    table = np.zeros((max(len(flat), 1), max(width, 1)), dtype=np.int64)
+    for i, g in enumerate(flat):
+        table[i, : len(g)] = g
+    owner = np.repeat(np.arange(len(ranks)), last_n)
+    ix = col("last_ix", np.int64)
+    last = np.bincount(owner, weights=table[group[owner], ix], minlength=len(ranks))
+    has = n > 0
+    step_s = end - start  # NaN where no step record (NaN - x is NaN)
+    x = step_s - wait  # as _aligned: a rank without collectives has a wait of 0.0 there
+    compute = np.where(x > 0.0, x, 0.0)
+    compute[step_s != step_s] = np.nan
+    late = top - total
+    late = np.where(has & (late > 0.0), late, 0.0)
+    frac = np.where(has, last / np.maximum(n, 1), 0.0)
+    order = np.argsort(ranks, kind="stable")
+    return StepRanks(
+        ranks[order],
+        step_s[order],
+        np.where(has, wait, 0.0)[order],
+        compute[order],
+        late[order],
+        frac[order],
+        n[order],
+        n[order],
+    )
 
 
 def _aligned(d: StepDigest, hits: list[list[bool]], top: float, out: list[RankStep]) -> None:

@@ -8,21 +8,20 @@ lives in its own module; this one only orders them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import NamedTuple
 
-from fsdp_sentinel.correlate import RankStep, Summary
+import numpy as np
+
+from fsdp_sentinel.correlate import Summary
 from fsdp_sentinel.detect import baseline as B
-from fsdp_sentinel.detect import compute, lost, network, noise, persistence, stall
+from fsdp_sentinel.detect import columnar, compute, lost, network, noise, stall
 from fsdp_sentinel.detect.config import DetectConfig
-from fsdp_sentinel.detect.state import NEW_TRACK, DetectState, RankScore, RankTrack, Report
-from fsdp_sentinel.detect.stats import median, push, rnd
+from fsdp_sentinel.detect.judge import StepContext, judge_rank
+from fsdp_sentinel.detect.state import NEW_TRACK, DetectState, RankScore, Report, Tracks
+from fsdp_sentinel.detect.stats import median, median_array, push
+from fsdp_sentinel.rankstep import StepRanks
 from fsdp_sentinel.trace import Verdict
-
-
-def _host(summary: Summary, rank: int) -> str:
-    """The host a rank runs on, for a verdict (looked up only when one is made)."""
-    return next((lv.host for lv in summary.liveness if lv.rank == rank), "")
 
 
 def _by_rank(v: Verdict) -> tuple[int, str]:
@@ -63,10 +62,27 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         return _warmup(summary, state, lost_now, hung_now, lost_verdicts)
 
     step = summary.step
-    tracks = dict(state.tracks)
-    present = [rs for rs in summary.ranks if rs.rank not in lost_now]
-    steps = [rs.step_s for rs in present if rs.step_s is not None]
-    job_step = median(steps) if steps else None
+    # A job of thousands of ranks is judged over columns (detect.columnar):
+    # the same figures, without an object per rank per step.
+    columns = columnar.tracks_for(state.tracks, len(summary.ranks), cfg)
+    ranks = StepRanks.of(summary.ranks) if columns is not None else None
+    if ranks is None or not columnar.in_order(ranks):
+        columns = ranks = None
+    if columns is not None and ranks is not None:
+        keep = columnar.present(ranks, lost_now)
+        present_ranks = tuple(ranks.rank[keep].tolist())
+        steps = ranks.step_s[keep]
+        job_step = median_array(steps[steps == steps])  # NaN: no step record
+        lates_sorted = np.sort(ranks.late_s[keep & (ranks.matched > 0)]).tolist()
+        causes = columns.open_causes()
+    else:
+        tracks = columnar.as_dict(state.tracks)
+        present = [rs for rs in summary.ranks if rs.rank not in lost_now]
+        present_ranks = tuple(rs.rank for rs in present)
+        step_times = [rs.step_s for rs in present if rs.step_s is not None]
+        job_step = median(step_times) if step_times else None
+        lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
+        causes = {r: tr.cause for r, tr in tracks.items() if tr.cause}
     job_recent = state.job_recent
     if job_step is not None:
         job_recent = push(job_recent, job_step, cfg.persistence.window)
@@ -82,8 +98,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         and job_step >= base * (1.0 + cfg.baseline.min_effect)
     )
 
-    flagged_net = frozenset(r for r, tr in tracks.items() if tr.cause == "network")
-    lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
+    flagged_net = frozenset(r for r, c in causes.items() if c == "network")
     n_lates = len(lates_sorted)
     # A rank arriving late explains the stretch and the srtt its waiting peers'
     # flows show (delayed ACKs of unread data): no new network verdict then.
@@ -93,7 +108,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     net, net_memo = network.network_view_memo(
         state.net_memo,
         summary.flows,
-        tuple(rs.rank for rs in present),
+        present_ranks,
         median(state.srtt_hist) if state.srtt_hist else None,
         cfg.network,
         flagged_net,
@@ -111,7 +126,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     # network candidate beside one needs a case stronger than waiting shows
     # (network.stands_beside); an open network verdict is still held or
     # cleared as before.
-    explainers = frozenset(r for r, tr in tracks.items() if tr.cause in ("compute", "network"))
+    explainers = frozenset(causes)
     explainers |= frozenset(r for r, why in net.node.items() if why == "retrans")
     explainers |= frozenset(a for a, (_b, why, _s) in net.links.items() if why == "retrans")
     warm = noise.warm(state.rel_noise, cfg)
@@ -127,8 +142,8 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         if warm and unexplained and stretch is not None
         else None
     )
-    n_flagged = sum(1 for t in tracks.values() if t.cause) if attributed is not None else 0
-    ctx = _StepContext(
+    n_flagged = len(causes) if attributed is not None else 0
+    ctx = StepContext(
         summary,
         step,
         cfg,
@@ -148,23 +163,33 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         job_step,
         stretch,
     )
-    rel_seen: list[float] = []
-    suspect = False
-    any_candidate = False
-    scores: list[RankScore] = []
-    for rs in present:
-        tr = tracks.get(rs.rank)
-        judged = _judge_rank(rs, NEW_TRACK if tr is None else tr, ctx)
-        tracks[rs.rank] = judged.track
-        scores.append(judged.score)
-        if judged.verdict is not None:
-            verdicts.append(judged.verdict)
-        if judged.rel_now is not None:
-            rel_seen.append(judged.rel_now)
-        suspect = suspect or judged.suspect
-        any_candidate = any_candidate or judged.score.candidate is not None
+    next_tracks: Tracks
+    scores: Sequence[RankScore]
+    if columns is not None and ranks is not None:
+        judged = columnar.judge(ranks, keep, columns, ctx)
+        next_tracks, scores = judged.tracks, judged.scores
+        verdicts.extend(judged.verdicts)
+        rel_seen, suspect, any_candidate = judged.rel_seen, judged.suspect, judged.any_candidate
+        anyone_flagged = bool(judged.tracks.cause.any())
+    else:
+        rel_seen = []
+        suspect = False
+        any_candidate = False
+        score_list: list[RankScore] = []
+        for rs in present:
+            tr = tracks.get(rs.rank)
+            one = judge_rank(rs, NEW_TRACK if tr is None else tr, ctx)
+            tracks[rs.rank] = one.track
+            score_list.append(one.score)
+            if one.verdict is not None:
+                verdicts.append(one.verdict)
+            if one.rel_now is not None:
+                rel_seen.append(one.rel_now)
+            suspect = suspect or one.suspect
+            any_candidate = any_candidate or one.score.candidate is not None
+        next_tracks, scores = tracks, tuple(score_list)
+        anyone_flagged = any(t.cause for t in tracks.values())
 
-    anyone_flagged = any(t.cause for t in tracks.values())
     job_hist, stretched = B.next_job_hist(
         state.job_hist,
         state.stretched,
@@ -185,7 +210,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     new_state = DetectState(
         rel_noise=rel_noise,
         rel_lag=rel_lag,
-        tracks=tracks,
+        tracks=next_tracks,
         job_recent=job_recent,
         job_hist=job_hist,
         stretched=stretched,
@@ -201,7 +226,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         base,
         stretch,
         bar if warm else None,
-        tuple(scores),
+        scores,
         tuple(sorted(verdicts, key=_by_rank)),
         new_state,
     )
@@ -236,168 +261,4 @@ def _warmup(
         scores,
         tuple(sorted(lost_verdicts, key=_by_rank)),
         replace(state, lost=lost_now, hung=hung_now, warmup=state.warmup - 1),
-    )
-
-
-class _StepContext(NamedTuple):
-    """What every rank's judgement in one step reads (:func:`_judge_rank`)."""
-
-    summary: Summary
-    step: int
-    cfg: DetectConfig
-    n_lates: int
-    lates_sorted: list[float]
-    ref_step: float | None
-    base: float | None
-    bar: float
-    low: float
-    attributed: float | None
-    n_flagged: int
-    warm: bool
-    stretched_now: bool
-    stall_explained: bool
-    net: network.NetView
-    explainers: frozenset[int]
-    job_step: float | None
-    stretch: float | None
-
-
-class Judged(NamedTuple):
-    """One rank's judgement in one step: its next track, its score, the verdict it
-    raised (None: none), its relative score now (for the noise pool) and whether
-    its window's score was suspect (at least ``min_effect``)."""
-
-    track: RankTrack
-    score: RankScore
-    verdict: Verdict | None
-    rel_now: float | None
-    suspect: bool
-
-
-def _judge_rank(rs: RankStep, tr: RankTrack, ctx: _StepContext) -> Judged:
-    """Score one rank against its track, pick its candidate cause, and apply persistence."""
-    (
-        summary, step, cfg, n_lates, lates_sorted, ref_step, base, bar, low, attributed,
-        n_flagged, warm, stretched_now, stall_explained, net, explainers, job_step, stretch,
-    ) = ctx  # fmt: skip
-    verdict: Verdict | None = None
-    mine = attributed if n_flagged == (1 if tr.cause else 0) else None
-    (
-        rel_now,
-        rel_hist,
-        relative,
-        ind_hist,
-        individual,
-        rel_long,
-        slow,
-        rel_trend,
-        aging,
-    ) = compute.score(rs, tr, n_lates, lates_sorted, ref_step, base, bar, low, cfg, mine)
-
-    # One candidate cause per rank: compute (it arrives last) before
-    # network (the job is slow while nobody is late).
-    candidate: str | None = None
-    if warm and compute.is_candidate(slow, relative, individual, bar, cfg):
-        candidate = "compute"
-    elif (
-        stretched_now
-        and (tr.cause == "network" or not stall_explained)
-        and network.is_candidate(rs.rank, net, tr.cause == "network", cfg.network)
-        and (
-            tr.cause == "network"
-            or not (explainers - {rs.rank})
-            or network.stands_beside(rs.rank, net, cfg.network)
-        )
-    ):
-        candidate = "network"
-
-    cause, flagged_step = tr.cause, tr.flagged_step
-    compute_hist, compute_sorted = compute.own_history(
-        tr, rs, candidate is None and cause is None, rel_now, bar, cfg.baseline.history
-    )
-    bad, clean, action = persistence.step(
-        tr.bad,
-        tr.clean,
-        cause,
-        candidate,
-        rel_now is not None or stretch is not None,
-        cfg.persistence,
-    )
-    if action is persistence.FLAG and candidate is not None:
-        cause, flagged_step = candidate, step
-        peer = None
-        if candidate == "compute":
-            ratio = net.ratio.get(rs.rank, 1.0)
-            score, evidence = compute.evidence(
-                rs,
-                relative,
-                individual,
-                ratio if ratio >= 1.5 else None,
-                rel_long if relative is not None and relative < bar else None,
-                bar,
-                rel_trend if aging is not None or relative is not None else (),
-                compute.attributed_by(rel_long, relative, bar, low, mine, stretch),
-            )
-        else:
-            score, evidence, peer = network.evidence(rs, relative, net, stretch)
-        evidence["job_step_s"] = rnd(job_step)
-        evidence["baseline_step_s"] = rnd(base)
-        verdict = Verdict(
-            summary.t,
-            step,
-            rs.rank,
-            "flagged",
-            cause,
-            score,
-            _host(summary, rs.rank),
-            peer,
-            evidence,
-        )
-    elif action is persistence.CLEAR and cause is not None:
-        verdict = Verdict(
-            summary.t,
-            step,
-            rs.rank,
-            "cleared",
-            cause,
-            (relative or 0.0) if cause == "compute" else net.ratio.get(rs.rank, 0.0),
-            _host(summary, rs.rank),
-            None,
-            {"clean_steps": clean, "flagged_step": flagged_step},
-        )
-        cause, flagged_step = None, None
-    # Positional, in field order: a NamedTuple called with keywords takes
-    # twice as long, and this runs for every rank of every step.
-    track = RankTrack(
-        rel_hist,
-        ind_hist,
-        compute_hist,
-        bad,
-        clean,
-        cause,
-        flagged_step,
-        rel_long,
-        compute_sorted,
-        rel_trend,
-    )
-    matched = rs.matched
-    return Judged(
-        track,
-        RankScore(
-            rs.rank,
-            relative,
-            individual,
-            net.ratio.get(rs.rank),  # network
-            net.share.get(rs.rank),  # retrans_share
-            rs.late_s if matched else None,
-            rs.compute_s,
-            rs.wait_s,
-            rs.last_frac if matched else None,
-            candidate,
-            "flagged" if cause else "ok",  # state
-            cause,
-        ),
-        verdict,
-        rel_now,
-        relative is not None and relative >= cfg.baseline.min_effect,
     )

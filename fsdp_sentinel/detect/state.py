@@ -1,9 +1,19 @@
-"""What the detector remembers between summaries and what it answers with (types only)."""
+"""What the detector remembers between summaries and what it answers with (types only).
+
+A job's tracks are a dict of :class:`RankTrack` while it is small, and
+:class:`TrackColumns` (the same figures, a numpy column each) once it has
+thousands of ranks (``detect.columnar``); a report's scores likewise come
+as a tuple of :class:`RankScore` or as :class:`ScoreColumns`. Either form
+reads the same, rank by rank.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
+
+import numpy as np
 
 from fsdp_sentinel.trace import Verdict
 
@@ -28,6 +38,216 @@ class RankTrack(NamedTuple):
 
 NEW_TRACK = RankTrack()
 
+#: A track's open cause as a column code (0: none), and back.
+CAUSE_CODE = {None: 0, "compute": 1, "network": 2}
+CODE_CAUSE: tuple[str | None, ...] = (None, "compute", "network")
+#: ``flagged_step`` None in a column.
+NO_STEP = -(1 << 62)
+
+
+class Hist(NamedTuple):
+    """One bounded history per row: row ``i``'s ``n[i]`` values sit left-aligned in
+    ``vals[i]``, oldest first (``vals`` is rows x the history's length)."""
+
+    vals: np.ndarray
+    n: np.ndarray
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> Hist:
+        return cls(np.zeros((rows, width)), np.zeros(rows, dtype=np.int64))
+
+    def row(self, i: int) -> tuple[float, ...]:
+        return tuple(self.vals[i, : self.n[i]].tolist())
+
+    def put(self, i: int, values: Sequence[float]) -> None:
+        k = len(values)
+        self.vals[i, :k] = values
+        self.n[i] = k
+
+    def copy(self) -> Hist:
+        return Hist(self.vals.copy(), self.n.copy())
+
+
+@dataclass(frozen=True, eq=False)
+class TrackColumns:
+    """Every rank's :class:`RankTrack` as columns, rows in ascending rank order.
+
+    ``rel``, ``ind``, ``rel_long``, ``rel_trend`` and ``compute`` are the
+    tracks' histories (:class:`Hist`), ``widths`` their lengths (the
+    config's ``window``, ``sustained_window``, ``trend_window`` and
+    ``history`` they were made for); ``cause`` is a :data:`CAUSE_CODE`,
+    ``flagged_step`` :data:`NO_STEP` for None. A track's ``compute_sorted``
+    is its compute history sorted, made when a row is read. Never changed
+    once made: ``detect`` makes the next one.
+    """
+
+    ranks: np.ndarray
+    rel: Hist
+    ind: Hist
+    rel_long: Hist
+    rel_trend: Hist
+    compute: Hist
+    bad: np.ndarray
+    clean: np.ndarray
+    cause: np.ndarray
+    flagged_step: np.ndarray
+    widths: tuple[int, int, int, int]
+
+    @classmethod
+    def empty(cls, widths: tuple[int, int, int, int], rows: int = 0) -> TrackColumns:
+        w, sw, tw, hist = widths
+        zeros = np.zeros(rows, dtype=np.int64)
+        return cls(
+            np.zeros(rows, dtype=np.int64),
+            Hist.empty(rows, w),
+            Hist.empty(rows, w),
+            Hist.empty(rows, sw),
+            Hist.empty(rows, tw),
+            Hist.empty(rows, hist),
+            zeros.copy(),
+            zeros.copy(),
+            np.zeros(rows, dtype=np.int8),
+            np.full(rows, NO_STEP, dtype=np.int64),
+            widths,
+        )
+
+    @classmethod
+    def of(
+        cls, tracks: Mapping[int, RankTrack], widths: tuple[int, int, int, int]
+    ) -> TrackColumns | None:
+        """``tracks`` as columns; None when a history is longer than its width (the
+        config's windows shrank: such a track is shortened only by its next push)."""
+        w, sw, tw, hist = widths
+        limits = (w, w, sw, tw, hist)
+        for t in tracks.values():
+            if any(
+                len(h) > k
+                for h, k in zip(
+                    (t.rel, t.ind, t.rel_long, t.rel_trend, t.compute_hist), limits, strict=True
+                )
+            ):
+                return None
+        out = cls.empty(widths, len(tracks))
+        out.ranks[:] = sorted(tracks)
+        for i, r in enumerate(out.ranks.tolist()):
+            out.set_row(i, tracks[r])
+        return out
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def slot(self, rank: int) -> int | None:
+        i = int(np.searchsorted(self.ranks, rank))
+        return i if i < len(self.ranks) and self.ranks[i] == rank else None
+
+    def row(self, i: int) -> RankTrack:
+        """Row ``i`` as a :class:`RankTrack` (the very tuples the scalar path keeps)."""
+        comp = self.compute.row(i)
+        step = int(self.flagged_step[i])
+        return RankTrack(
+            self.rel.row(i),
+            self.ind.row(i),
+            comp,
+            int(self.bad[i]),
+            int(self.clean[i]),
+            CODE_CAUSE[int(self.cause[i])],
+            None if step == NO_STEP else step,
+            self.rel_long.row(i),
+            tuple(sorted(comp)),
+            self.rel_trend.row(i),
+        )
+
+    def set_row(self, i: int, t: RankTrack) -> None:
+        """Write ``t`` into row ``i`` (of a TrackColumns being made)."""
+        self.rel.put(i, t.rel)
+        self.ind.put(i, t.ind)
+        self.rel_long.put(i, t.rel_long)
+        self.rel_trend.put(i, t.rel_trend)
+        self.compute.put(i, t.compute_hist)
+        self.bad[i] = t.bad
+        self.clean[i] = t.clean
+        self.cause[i] = CAUSE_CODE[t.cause]
+        self.flagged_step[i] = NO_STEP if t.flagged_step is None else t.flagged_step
+
+    def get(self, rank: int) -> RankTrack | None:
+        i = self.slot(rank)
+        return None if i is None else self.row(i)
+
+    def items(self) -> Iterator[tuple[int, RankTrack]]:
+        for i, r in enumerate(self.ranks.tolist()):
+            yield r, self.row(i)
+
+    def as_dict(self) -> dict[int, RankTrack]:
+        return dict(self.items())
+
+    def open_causes(self) -> dict[int, str]:
+        """Rank -> cause of every open verdict."""
+        idx = np.flatnonzero(self.cause)
+        return {
+            int(r): str(CODE_CAUSE[int(c)])
+            for r, c in zip(self.ranks[idx].tolist(), self.cause[idx].tolist(), strict=True)
+        }
+
+    def including(self, ranks: np.ndarray) -> tuple[TrackColumns, np.ndarray]:
+        """A copy with a fresh row for each of ``ranks`` (ascending) it lacks, and
+        each of ``ranks``' row in it (the copy is the next state's, to change)."""
+        have = self.ranks
+        new = np.setdiff1d(ranks, have, assume_unique=True)
+        if not len(new):
+            out = TrackColumns(
+                have,
+                self.rel.copy(),
+                self.ind.copy(),
+                self.rel_long.copy(),
+                self.rel_trend.copy(),
+                self.compute.copy(),
+                self.bad.copy(),
+                self.clean.copy(),
+                self.cause.copy(),
+                self.flagged_step.copy(),
+                self.widths,
+            )
+            return out, np.searchsorted(have, ranks)
+        merged = np.union1d(have, new)
+        at = np.searchsorted(merged, have)  # where each old row goes
+        out = TrackColumns.empty(self.widths, len(merged))
+        out.ranks[:] = merged
+        for mine, theirs in (
+            (out.rel, self.rel),
+            (out.ind, self.ind),
+            (out.rel_long, self.rel_long),
+            (out.rel_trend, self.rel_trend),
+            (out.compute, self.compute),
+        ):
+            mine.vals[at] = theirs.vals
+            mine.n[at] = theirs.n
+        out.bad[at] = self.bad
+        out.clean[at] = self.clean
+        out.cause[at] = self.cause
+        out.flagged_step[at] = self.flagged_step
+        return out, np.searchsorted(merged, ranks)
+
+    def restarted(self) -> TrackColumns:
+        """The tracks of a new attempt of the job: each rank's compute history only."""
+        out = TrackColumns.empty(self.widths, len(self.ranks))
+        out.ranks[:] = self.ranks
+        out.compute.vals[:] = self.compute.vals
+        out.compute.n[:] = self.compute.n
+        return out
+
+
+Tracks = dict[int, RankTrack] | TrackColumns
+
+
+def restart_tracks(tracks: Tracks) -> Tracks:
+    """A new attempt's tracks: each rank's own compute history, nothing else."""
+    if isinstance(tracks, TrackColumns):
+        return tracks.restarted()
+    return {
+        r: NEW_TRACK._replace(compute_hist=t.compute_hist, compute_sorted=t.compute_sorted)
+        for r, t in tracks.items()
+    }
+
 
 @dataclass(frozen=True)
 class DetectState:
@@ -38,7 +258,7 @@ class DetectState:
     ``hung`` a rank flagged ``hang`` to the ``seq`` it never issued.
     """
 
-    tracks: dict[int, RankTrack] = field(default_factory=dict)
+    tracks: Tracks = field(default_factory=dict)
     job_recent: tuple[float, ...] = ()
     job_hist: tuple[float, ...] = ()
     stretched: int = 0
@@ -104,6 +324,83 @@ class Report(NamedTuple):
     baseline_step_s: float | None
     stretch: float | None
     bar: float | None
-    scores: tuple[RankScore, ...]
+    scores: Sequence[RankScore]
     verdicts: tuple[Verdict, ...]
     state: DetectState
+
+
+def _opt(x: float) -> float | None:
+    return None if x != x else x
+
+
+class ScoreColumns(Sequence[RankScore]):
+    """A report's scores at thousands of ranks: columns for the ranks judged at
+    once (``detect.columnar``), whose candidate is None and state ``ok``, and the
+    :class:`RankScore` of each rank judged one at a time (``special``). A
+    sequence of RankScores in rank order, made on demand. NaN in a column is
+    None in a RankScore."""
+
+    def __init__(
+        self,
+        ranks: np.ndarray,
+        relative: np.ndarray,
+        individual: np.ndarray,
+        late: np.ndarray,
+        compute: np.ndarray,
+        wait: np.ndarray,
+        last_frac: np.ndarray,
+        ratio: Mapping[int, float],
+        share: Mapping[int, float],
+        special: Mapping[int, RankScore],
+    ) -> None:
+        self.ranks = ranks
+        self._cols = (relative, individual, late, compute, wait, last_frac)
+        self._ratio = ratio
+        self._share = share
+        self.special = special
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def _make(
+        self, rank: int, rel: float, ind: float, late: float, comp: float, wait: float, frac: float
+    ) -> RankScore:
+        hit = self.special.get(rank)
+        if hit is not None:
+            return hit
+        return RankScore(
+            rank,
+            _opt(rel),
+            _opt(ind),
+            self._ratio.get(rank),
+            self._share.get(rank),
+            _opt(late),
+            _opt(comp),
+            wait,
+            _opt(frac),
+            None,
+            "ok",
+            None,
+        )
+
+    @overload
+    def __getitem__(self, i: int) -> RankScore: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RankScore]: ...
+
+    def __getitem__(self, i: int | slice) -> RankScore | Sequence[RankScore]:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        return self._make(int(self.ranks[i]), *(float(c[i]) for c in self._cols))
+
+    def __iter__(self) -> Iterator[RankScore]:
+        lists = [c.tolist() for c in self._cols]
+        return (self._make(*row) for row in zip(self.ranks.tolist(), *lists, strict=True))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from itertools import repeat
 from operator import sub
 
+import numpy as np
+
 
 def median(xs: Sequence[float]) -> float:
     return median_sorted(sorted(xs))
@@ -107,3 +109,27 @@ def push_sorted(
 def rnd(x: float | None, nd: int = 4) -> float | None:
     """``round`` that lets None through (evidence fields may be absent)."""
     return None if x is None else round(x, nd)
+
+
+def median_array(xs: np.ndarray) -> float | None:
+    """``median`` of a 1-d float array (None when empty): the same float."""
+    n = len(xs)
+    if not n:
+        return None
+    s = np.sort(xs)
+    mid = n // 2
+    return float(s[mid]) if n % 2 else float((s[mid - 1] + s[mid]) / 2.0)
+
+
+def row_medians(vals: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each row's ``median`` of its first ``counts[i]`` values (NaN where none): the
+    very floats :func:`median` gives, a sort per distinct count."""
+    out = np.full(len(counts), np.nan)
+    for k in np.unique(counts).tolist():
+        if k <= 0:
+            continue
+        sel = np.flatnonzero(counts == k)
+        s = np.sort(vals[sel, :k], axis=1)
+        mid = k // 2
+        out[sel] = s[:, mid] if k % 2 else (s[:, mid - 1] + s[:, mid]) / 2.0
+    return out

@@ -257,7 +257,7 @@ class _Collector:
             lambda: defaultdict(list)
         )
 
-    def on_step(self, step: int, ranks: tuple[RankStep, ...]) -> None:
+    def on_step(self, step: int, ranks: Sequence[RankStep]) -> None:
         for rs in ranks:
             self.steps[(rs.rank, step)] = rs
 

@@ -1,0 +1,149 @@
+"""The columnar paths give the scalar paths' answers, to the last bit.
+
+A step of ``COLUMNAR_RANKS`` ranks or more is summarised as columns
+(``Correlator._rank_steps_columnar``, ``cluster.summary._aligned_columns``)
+and judged over columns (``detect.columnar``). Real jobs that big cannot run
+here, so the thresholds are lowered to 2 and every golden capture and a
+synthetic suite are replayed both ways: the verdicts, every report's scores
+and figures, the detector's state, the per-rank totals of the snapshot and
+cluster mode's leader verdicts must be equal. Then the columnar paths must
+actually have run, so a threshold that silently never trips fails here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fsdp_sentinel import correlate, synth, trace
+from fsdp_sentinel.cluster.split import run_split
+from fsdp_sentinel.detect import columnar
+from fsdp_sentinel.detect.state import TrackColumns
+from fsdp_sentinel.jobs import JobRouter
+from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.rankstep import RankStep, StepRanks
+
+TRACES = Path(__file__).parent / "traces"
+GOLDEN = sorted(TRACES.glob("*.jsonl.zst"))
+
+
+class Seen:
+    """What one replay said: verdicts, each step's report, the final tracks and totals."""
+
+    def __init__(self) -> None:
+        self.reports: list[Any] = []
+        self.columnar_steps = 0
+        self.columnar_judged = 0
+
+
+def _replay(recs: list[dict], monkeypatch: pytest.MonkeyPatch, big: bool) -> dict[str, Any]:
+    with monkeypatch.context() as m:
+        m.setattr(correlate, "COLUMNAR_RANKS", 2 if big else 1 << 30)
+        m.setattr(columnar, "COLUMNAR_RANKS", 2 if big else 1 << 30)
+        seen = Seen()
+        run, summarise, judge = Pipeline._run, correlate.Correlator.step_summary, columnar.judge
+
+        def spy_run(self: Pipeline, summary: Any) -> Any:
+            out = run(self, summary)
+            rep = self.last_report
+            if rep is not None and rep.step is not None:
+                seen.reports.append((rep[:6], tuple(rep.scores), rep.verdicts))
+            return out
+
+        def spy_summary(self: correlate.Correlator, step: int, now: float) -> Any:
+            s = summarise(self, step, now)
+            seen.columnar_steps += isinstance(s.ranks, StepRanks)
+            return s
+
+        def spy_judge(*a: Any) -> Any:
+            seen.columnar_judged += 1
+            return judge(*a)
+
+        m.setattr(Pipeline, "_run", spy_run)
+        m.setattr(correlate.Correlator, "step_summary", spy_summary)
+        m.setattr(columnar, "judge", spy_judge)
+        router = JobRouter()
+        verdicts = router.feed_many(recs) + router.end()
+        snap = router.snapshot()
+        states = [j.pipeline.state for j in router.jobs.values()]
+        leader = run_split(recs)
+    return {
+        "verdicts": verdicts,
+        "reports": seen.reports,
+        "totals": [
+            (
+                r.rank,
+                r.steps_total,
+                r.step_seconds_total,
+                r.wait_seconds_total,
+                r.step_seconds,
+                r.compute_seconds,
+                r.wait_seconds,
+                r.coll_count_total,
+                r.coll_bytes_total,
+                r.coll_seconds_total,
+                r.step_buckets,
+                r.coll_wait_buckets,
+            )
+            for r in snap.ranks
+        ],  # fmt: skip
+        "tracks": [sorted(columnar.as_dict(s.tracks).items()) for s in states],
+        "leader": leader,
+        "columnar": (seen.columnar_steps, seen.columnar_judged),
+    }
+
+
+def _cases() -> Iterator[tuple[str, list[dict]]]:
+    for p in GOLDEN:
+        yield (
+            p.name.split(".")[0],
+            [r for r in trace.read_trace(p) if r.get("kind") not in ("verdict", "action")],
+        )
+    compute, net = synth.SlowCompute, synth.SlowNetwork
+    for name, scn in (
+        ("compute_8", synth.Scenario(ranks=8, seed=3, faults=(compute(5, 1.45, 10, 30),))),
+        ("network_8", synth.Scenario(ranks=8, seed=4, faults=(net(4, 1.6, 10, 30),))),
+        ("lost_4", synth.Scenario(seed=5, faults=(synth.Lost(2, 20),))),
+        ("drift_4", synth.Scenario(steps=60, seed=6, faults=(synth.SlowDrift(1, 1.4, 10, 60),))),
+    ):
+        yield name, synth.generate(scn)[0]
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("recs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_columns_give_the_scalar_paths_answers(
+    recs: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scalar = _replay(recs, monkeypatch, big=False)
+    cols = _replay(recs, monkeypatch, big=True)
+    assert scalar["columnar"] == (0, 0)
+    assert cols["columnar"][0] > 0 and cols["columnar"][1] > 0, cols["columnar"]
+    for key in ("verdicts", "reports", "totals", "tracks", "leader"):
+        assert cols[key] == scalar[key], key
+
+
+def test_a_job_of_many_ranks_is_judged_over_columns_and_flags_its_straggler() -> None:
+    scn = synth.Scenario(
+        ranks=200, steps=24, mesh=False, faults=(synth.SlowCompute(67, 1.5, 8, 24),)
+    )
+    pipe = Pipeline()
+    flagged = {(v["rank"], v["cause"]) for v in pipe.feed_many(synth.generate(scn)[0])}
+    assert flagged == {(67, "compute")}
+    assert isinstance(pipe.state.tracks, TrackColumns)
+    assert isinstance(pipe.last_report.scores[0].rank, int)  # type: ignore[union-attr]
+
+
+def test_step_ranks_read_back_as_the_rank_steps_they_were_made_of() -> None:
+    rows = (
+        RankStep(0, 1.5, 0.25, 1.25, 0.0, 0.5, 4, 4),
+        RankStep(3, None, 0.5, None, 0.125, 0.0, 0, 2),
+    )
+    cols = StepRanks.of(rows)
+    assert list(cols) == list(rows) and cols[1] == rows[1] and len(cols) == 2
+    assert np.isnan(cols.step_s[1]) and cols == rows
