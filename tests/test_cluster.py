@@ -270,7 +270,7 @@ def test_a_window_that_is_not_one_is_a_clear_error() -> None:
     rng = random.Random(3)
     d = CS.digest_step(0, {r: _colls(rng, r, 0, [0, 1, 2], 0.0) for r in range(3)})
     good = CS.encode(CS.Window("n", 0, 0.0, (), (d,), (), ()))
-    assert CS.decode(good).digests[0].ranks == [0, 1, 2]
+    assert list(CS.decode(good).digests[0].ranks) == [0, 1, 2]
     # Cut short, one byte too many, a rank's group out of range.
     wrong_group = CS.encode(CS.Window("n", 0, 0.0, (), (d._replace(group=[0, 0, 5]),), (), ()))
     for bad in (good[:-1], good + b"\0", wrong_group):

@@ -39,6 +39,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from functools import reduce
+from itertools import chain
 from operator import add, itemgetter, le
 from typing import Any, NamedTuple
 
@@ -219,6 +220,10 @@ def rank_steps(digests: Sequence[StepDigest]) -> Sequence[RankStep]:
     return tuple(out)
 
 
+#: The numpy type of an array's typecode, as the wire form packs it.
+_NP_OF: dict[str, Any] = {"d": np.float64, "i": np.int32, "q": np.int64}
+
+
 def _aligned_columns(
     digests: Sequence[StepDigest], hits: list[list[list[bool]]], top: float
 ) -> StepRanks:
@@ -227,7 +232,16 @@ def _aligned_columns(
     collectives it arrived last at is an integer sum."""
 
     def col(name: str, kind: type) -> np.ndarray:
-        return np.concatenate([np.asarray(getattr(d, name), dtype=kind) for d in digests])
+        # One conversion of every node's column: per digest (a node's few
+        # ranks) numpy's call would cost more than its values. Decoded digests
+        # hold arrays, whose bytes join; a node's own hold lists.
+        cols = [getattr(d, name) for d in digests]
+        if all(type(c) is array for c in cols):
+            code = cols[0].typecode
+            if all(c.typecode == code for c in cols):
+                raw = np.frombuffer(b"".join(cols), dtype=_NP_OF[code])
+                return raw.astype(kind, copy=False)
+        return np.array(list(chain.from_iterable(cols)), dtype=kind)
 
     ranks = col("ranks", np.int64)
     wait = col("wait_s", np.float64)
@@ -235,14 +249,12 @@ def _aligned_columns(
     n = col("n_coll", np.int64)
     start, end = col("start", np.float64), col("end", np.float64)
     last_n = col("last_n", np.int64)
-    # Each rank's "last" positions, looked up in its node group's hits.
+    # Each rank's "last" positions, looked up in its node group's hits (every
+    # group has the same keys here, so the hits are one table, a row a group).
     offsets = np.cumsum([0] + [len(h) for h in hits[:-1]])
     group = col("group", np.int64) + np.repeat(offsets, [len(d.ranks) for d in digests])
-    width = max((len(g) for h in hits for g in h), default=0)
     flat = [g for h in hits for g in h]
-    table = np.zeros((max(len(flat), 1), max(width, 1)), dtype=np.int64)
-    for i, g in enumerate(flat):
-        table[i, : len(g)] = g
+    table = np.array(flat, dtype=np.int64) if flat else np.zeros((1, 1), dtype=np.int64)
     owner = np.repeat(np.arange(len(ranks)), last_n)
     ix = col("last_ix", np.int64)
     last = np.bincount(owner, weights=table[group[owner], ix], minlength=len(ranks))
@@ -372,7 +384,9 @@ class _Reader:
         self.view = memoryview(data)
         self.at = at
 
-    def take(self, code: str, n: int) -> list[Any]:
+    def take(self, code: str, n: int) -> array:  # type: ignore[type-arg]
+        """The next ``n`` values as an array (a sequence of Python numbers that
+        the leader joins with the other nodes' columns without a value each)."""
         a = array(code)
         end = self.at + n * a.itemsize
         if end > len(self.view):
@@ -381,11 +395,15 @@ class _Reader:
         if _SWAP:
             a.byteswap()
         self.at = end
-        return a.tolist()
+        return a
 
 
 def _check(
-    groups: list[KeyGroup], n_coll: list[int], group: list[int], last_n: list[int], ix: list[int]
+    groups: list[KeyGroup],
+    n_coll: Sequence[int],
+    group: Sequence[int],
+    last_n: Sequence[int],
+    ix: Sequence[int],
 ) -> None:
     """ValueError unless a digest's columns agree: a rank has a group exactly
     when it has collectives, and its last positions are keys of its group."""
