@@ -29,12 +29,12 @@ import math
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from itertools import islice, repeat
 from operator import add, gt, itemgetter, le, sub
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -119,6 +119,98 @@ class RankLiveness(NamedTuple):
     pending_t: float = 0.0
 
 
+class LivenessColumns(Sequence[RankLiveness]):
+    """Every rank's :class:`RankLiveness` as columns, in rank order (a job of
+    thousands of ranks: ``detect.lost`` screens them with array operations and
+    reads a RankLiveness only for the few it must judge). Dense figures are
+    numpy columns; the sparse ones (torn connections, own closes, resets) are
+    maps of the few ranks that have them. A sequence of RankLiveness on demand.
+    """
+
+    __slots__ = (
+        "rank",
+        "host",
+        "last_t",
+        "done_step",
+        "pending_t",
+        "peers",
+        "torn",
+        "closed",
+        "reset",
+    )
+
+    def __init__(
+        self,
+        rank: np.ndarray,
+        host: list[str],
+        last_t: np.ndarray,
+        done_step: np.ndarray,
+        pending_t: np.ndarray,
+        peers: np.ndarray,
+        torn: dict[int, tuple[int, float]],
+        closed: frozenset[int],
+        reset: dict[int, int],
+    ) -> None:
+        self.rank = rank
+        self.host = host
+        self.last_t = last_t
+        self.done_step = done_step
+        self.pending_t = pending_t
+        self.peers = peers
+        self.torn = torn  # rank -> (peers whose connection to it went, first such time)
+        self.closed = closed
+        self.reset = reset  # rank -> peers whose connection it reset
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def row_of(self, rank: int) -> int | None:
+        i = int(np.searchsorted(self.rank, rank))
+        return i if i < len(self.rank) and self.rank[i] == rank else None
+
+    @overload
+    def __getitem__(self, i: int) -> RankLiveness: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RankLiveness]: ...
+
+    def __getitem__(self, i: int | slice) -> RankLiveness | Sequence[RankLiveness]:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        r = int(self.rank[i])
+        torn_peers, torn_t = self.torn.get(r, (0, None))
+        return RankLiveness(
+            r,
+            self.host[i],
+            float(self.last_t[i]),
+            int(self.done_step[i]),
+            torn_peers,
+            int(self.peers[i]),
+            torn_t,
+            r in self.closed,
+            self.reset.get(r, 0),
+            float(self.pending_t[i]),
+        )
+
+    def __iter__(self) -> Iterator[RankLiveness]:
+        return (self[i] for i in range(len(self.rank)))
+
+    def without(self, ranks: frozenset[int]) -> LivenessColumns:
+        """The columns of every rank but ``ranks``."""
+        keep = ~np.isin(self.rank, np.fromiter(ranks, np.int64, len(ranks)))
+        return LivenessColumns(
+            self.rank[keep],
+            [h for h, k in zip(self.host, keep.tolist(), strict=True) if k],
+            self.last_t[keep],
+            self.done_step[keep],
+            self.pending_t[keep],
+            self.peers[keep],
+            {r: v for r, v in self.torn.items() if r not in ranks},
+            self.closed - ranks,
+            {r: v for r, v in self.reset.items() if r not in ranks},
+        )
+
+
 class Pending(NamedTuple):
     """A collective a rank still reports in flight (its newest ``pending`` record).
 
@@ -171,7 +263,7 @@ class Summary(NamedTuple):
     step: int | None
     ranks: Sequence[RankStep]
     flows: tuple[PairFlow, ...]
-    liveness: tuple[RankLiveness, ...]
+    liveness: Sequence[RankLiveness]
     job_done: int
     mid_step: bool
     stall: Stall = _NO_STALL
@@ -1692,7 +1784,11 @@ class Correlator:
         self._matrix_oldest = oldest
         return matrix
 
-    def liveness(self) -> tuple[RankLiveness, ...]:
+    def liveness(self) -> Sequence[RankLiveness]:
+        """Every rank's :class:`RankLiveness`, in rank order: a tuple, or for a job of
+        ``COLUMNAR_RANKS`` ranks or more :class:`LivenessColumns`."""
+        if len(self.ranks) >= COLUMNAR_RANKS:
+            return self._liveness_columns()
         out = []
         ranks, torn_of, peers_of, closed = self.ranks, self._torn, self._peers, self._self_closed
         reset_by = self._reset_by
@@ -1715,6 +1811,31 @@ class Correlator:
                 )
             )
         return tuple(out)
+
+    def _liveness_columns(self) -> LivenessColumns:
+        """:meth:`liveness` as columns: the same figures, a generator pass per
+        column over the ranks instead of a tuple made per rank."""
+        ranks = self.ranks
+        order = sorted(ranks)
+        states = [ranks[r] for r in order]
+        n = len(order)
+        peers_of = self._peers
+        torn = {r: (len(t), min(t.values())) for r, t in self._torn.items() if t and r in ranks}
+        return LivenessColumns(
+            np.array(order, dtype=np.int64),
+            [rs.host for rs in states],
+            np.fromiter((rs.last_t for rs in states), np.float64, n),
+            np.fromiter((rs.done_step for rs in states), np.int64, n),
+            np.fromiter(
+                (max(p.t for p in rs.pending.values()) if rs.pending else 0.0 for rs in states),
+                np.float64,
+                n,
+            ),
+            np.fromiter((len(peers_of.get(r, ())) for r in order), np.int64, n),
+            torn,
+            frozenset(r for r in self._self_closed if r in ranks),
+            {r: len(v) for r, v in self._reset_by.items() if v and r in ranks},
+        )
 
     def malformed_total(self) -> int:
         """Coll records dropped at summary time, plus bad op/bytes fields met

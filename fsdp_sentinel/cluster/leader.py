@@ -32,7 +32,13 @@ from fsdp_sentinel.cluster.summary import (
     rank_steps,
     step_times,
 )
-from fsdp_sentinel.correlate import Correlator, RankLiveness, StateLimits, Summary
+from fsdp_sentinel.correlate import (
+    Correlator,
+    LivenessColumns,
+    RankLiveness,
+    StateLimits,
+    Summary,
+)
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.fabric import FabricTotals
 from fsdp_sentinel.pipeline import Pipeline
@@ -174,10 +180,12 @@ class LeaderCorrelator(Correlator):
     def newest_seq(self, rs: Any) -> int:
         return max(super().newest_seq(rs), self.top_seq.get(rs.rank, -1))
 
-    def liveness(self) -> tuple[RankLiveness, ...]:
+    def liveness(self) -> Sequence[RankLiveness]:
         live = super().liveness()
         if not self.dark_ranks:
             return live
+        if isinstance(live, LivenessColumns):
+            return live.without(self.dark_ranks)
         return tuple(lv for lv in live if lv.rank not in self.dark_ranks)
 
     def stall(self, keep_s: float = 30.0) -> Any:

@@ -9,8 +9,11 @@ while the others carried on. Heard from again, it is cleared.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
-from fsdp_sentinel.correlate import RankLiveness, Summary
+import numpy as np
+
+from fsdp_sentinel.correlate import LivenessColumns, RankLiveness, Summary
 from fsdp_sentinel.detect.config import LostConfig
 from fsdp_sentinel.trace import Verdict
 
@@ -27,22 +30,21 @@ def judge_lost(
     out: list[Verdict] = []
     t = summary.t
     live = summary.liveness
-    for lv in live:
-        if lv.rank in lost and lv.last_t > lost[lv.rank]:
-            del lost[lv.rank]
-            out.append(
-                Verdict(
-                    t,
-                    lv.done_step + 1,
-                    lv.rank,
-                    "cleared",
-                    "rank_lost",
-                    0.0,
-                    lv.host,
-                    None,
-                    {"heard_again_t": round(lv.last_t, 6)},
-                )
+    for lv in _heard_again(live, lost):
+        del lost[lv.rank]
+        out.append(
+            Verdict(
+                t,
+                lv.done_step + 1,
+                lv.rank,
+                "cleared",
+                "rank_lost",
+                0.0,
+                lv.host,
+                None,
+                {"heard_again_t": round(lv.last_t, 6)},
             )
+        )
     silence = max(cfg.lost_silence_s, cfg.lost_silence_steps * (base or 0.0))
     torn: list[RankLiveness] = []
     quiet: list[RankLiveness] = []
@@ -51,7 +53,7 @@ def judge_lost(
     # Found only when a rank has been silent that long (rarely: most ticks and
     # steps have none), not on every summary.
     top2: list[tuple[float, int]] | None = None
-    for lv in live:
+    for lv in _maybe_lost(live, lost, t, silence):
         if lv.rank in lost or lv.last_t <= 0.0:
             continue
         silent = t - lv.last_t
@@ -72,12 +74,13 @@ def judge_lost(
             # not make every other look left behind.
             heard = max(lv.last_t, lv.pending_t)
             if top2 is None:
-                top2 = heapq.nlargest(2, ((o.last_t, o.rank) for o in live if o.rank not in lost))
+                top2 = _latest_two(live, lost)
             others = [o_t for o_t, o_rank in top2 if o_rank != lv.rank][:1]
             if others and others[0] >= heard + silence:
                 quiet.append(lv)
     ambiguous = False
     casualties: list[int] = []
+    n_live = len(live) if isinstance(live, LivenessColumns) else 0
     if torn and lost_before:
         torn = []  # the job is already down; later teardown is a consequence
     if len(torn) > 1:
@@ -91,8 +94,10 @@ def judge_lost(
             marked = [lv for lv in suspects if getattr(lv, sign)]
             if marked and len(marked) < len(suspects):
                 suspects = marked
-        ambiguous = len(suspects) > 1 and len(torn) >= len(
-            [lv for lv in live if lv.rank not in lost]
+        ambiguous = len(suspects) > 1 and len(torn) >= (
+            n_live - sum(1 for r in lost if _has(live, r))
+            if isinstance(live, LivenessColumns)
+            else len([lv for lv in live if lv.rank not in lost])
         )
         first = min(suspects, key=lambda lv: (lv.torn_t or t, lv.last_t, lv.rank))
         casualties = sorted(lv.rank for lv in torn if lv is not first)
@@ -127,3 +132,50 @@ def judge_lost(
             )
         )
     return lost, out
+
+
+# The passes of judge_lost over every rank. A tuple of RankLiveness (a small
+# job) is walked; LivenessColumns (thousands of ranks) are screened with array
+# operations, and only the ranks a pass could pick are made RankLiveness, in
+# rank order, so the judgement reads exactly what it reads of the tuple.
+
+
+def _heard_again(live: Sequence[RankLiveness], lost: dict[int, float]) -> list[RankLiveness]:
+    """Ranks lost before and heard from since, in rank order."""
+    if not lost:
+        return []
+    if isinstance(live, LivenessColumns):
+        rows = [(r, live.row_of(r)) for r in sorted(lost)]
+        picked = [live[i] for _, i in rows if i is not None]
+    else:
+        picked = [lv for lv in live if lv.rank in lost]
+    return [lv for lv in picked if lv.last_t > lost[lv.rank]]
+
+
+def _maybe_lost(
+    live: Sequence[RankLiveness], lost: dict[int, float], t: float, silence: float
+) -> Sequence[RankLiveness]:
+    """Every rank judge_lost might call lost now, in rank order: all of a tuple;
+    of columns, those with torn connections or silent that long."""
+    if not isinstance(live, LivenessColumns):
+        return live
+    quiet = (live.last_t > 0.0) & (t - np.maximum(live.last_t, live.pending_t) >= silence)
+    rows = set(np.flatnonzero(quiet).tolist())
+    rows.update(i for r in live.torn if (i := live.row_of(r)) is not None)
+    return [live[i] for i in sorted(rows) if int(live.rank[i]) not in lost]
+
+
+def _latest_two(live: Sequence[RankLiveness], lost: dict[int, float]) -> list[tuple[float, int]]:
+    """The two latest ``(last_t, rank)`` of the ranks not lost, latest first."""
+    if not isinstance(live, LivenessColumns):
+        return heapq.nlargest(2, ((o.last_t, o.rank) for o in live if o.rank not in lost))
+    keep = np.flatnonzero(~np.isin(live.rank, np.fromiter(lost, np.int64, len(lost))))
+    if not len(keep):
+        return []
+    last_t, rank = live.last_t[keep], live.rank[keep]
+    top = np.lexsort((rank, last_t))[-2:][::-1]  # by last_t, then rank, as tuples compare
+    return [(float(last_t[i]), int(rank[i])) for i in top.tolist()]
+
+
+def _has(live: LivenessColumns, rank: int) -> bool:
+    return live.row_of(rank) is not None
