@@ -252,6 +252,18 @@ class LeaderPipeline(Pipeline):
         self.lcorr.add_progress(rec["rank"], rec["t"], rec["step"], rec["seq"])
         return self._clock_to(rec["t"])
 
+    def progress(self, t: float, rank: int, step: int, seq: int) -> list[Record]:
+        """``feed`` of a ``progress`` record with these fields, without the record:
+        the leader gets one per rank per window (16k a window at 16k ranks)."""
+        totals = self._totals
+        totals["progress"] = totals.get("progress", 0) + 1
+        try:
+            self.lcorr.add_progress(rank, t, step, seq)
+            return self._clock_to(t)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            self._malformed += 1
+            return []
+
 
 class LeaderDetector:
     """Detection over every node's windows (see the module docstring).
@@ -296,7 +308,7 @@ class LeaderDetector:
 
     def _ingest(self, windows: Sequence[Window]) -> list[Record]:
         corr = self.corr
-        recs: list[Record] = []
+        recs: list[Any] = []  # records, and progress points (t, rank, step, seq)
         for w in windows:
             self.windows += 1
             ranks = self.node_ranks.setdefault(w.node, set())
@@ -318,7 +330,8 @@ class LeaderDetector:
                 rs = corr.rank_of(rank)
                 if step >= 0 and (rs.first_step is None or step < rs.first_step):
                     rs.first_step = step
-                recs.append({"kind": "progress", "t": t, "rank": rank, "step": step, "seq": seq})
+                # A progress point, fed as a record would be (LeaderPipeline.progress).
+                recs.append((t, rank, step, seq))
             for host, t, dt in w.heard:
                 hosts.add(host)
                 # A netdev record of no device: the host's probes were heard.
@@ -332,17 +345,25 @@ class LeaderDetector:
                     hosts.add(rec["host"])
             recs.extend(w.records)
             recs.append({"kind": "clock", "t": w.t})
-        recs.sort(key=_time)
+        recs.sort(key=_when)
         out: list[Record] = []
-        feed = self.pipeline.feed
+        feed, progress = self.pipeline.feed, self.pipeline.progress
         for rec in recs:
-            out.extend(feed(rec))
+            said = progress(*rec) if type(rec) is tuple else feed(rec)
+            if said:
+                out.extend(said)
         for v in out:
             ev = v.get("evidence")
             if not isinstance(ev, dict):
                 ev = v["evidence"] = {}
             ev["view"] = "cluster"
         return out
+
+
+def _when(item: Record | tuple[float, int, int, int]) -> float:
+    """Where a window's record, or progress point ``(t, rank, step, seq)``, goes on
+    the time line."""
+    return item[0] if type(item) is tuple else _time(item)  # type: ignore[arg-type]
 
 
 def _time(rec: Record) -> float:
