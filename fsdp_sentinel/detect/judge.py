@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from fsdp_sentinel.correlate import Summary
+from fsdp_sentinel.correlate import LivenessColumns, Summary
 from fsdp_sentinel.detect import compute, network, persistence
 from fsdp_sentinel.detect.config import DetectConfig
 from fsdp_sentinel.detect.state import RankScore, RankTrack
@@ -22,7 +22,11 @@ from fsdp_sentinel.trace import Verdict
 
 def host_of(summary: Summary, rank: int) -> str:
     """The host a rank runs on, for a verdict (looked up only when one is made)."""
-    return next((lv.host for lv in summary.liveness if lv.rank == rank), "")
+    live = summary.liveness
+    if isinstance(live, LivenessColumns):  # a big job: by row, not a RankLiveness each
+        row = live.row_of(rank)
+        return "" if row is None else live.host[row]
+    return next((lv.host for lv in live if lv.rank == rank), "")
 
 
 class StepContext(NamedTuple):
