@@ -147,3 +147,86 @@ def test_step_ranks_read_back_as_the_rank_steps_they_were_made_of() -> None:
     cols = StepRanks.of(rows)
     assert list(cols) == list(rows) and cols[1] == rows[1] and len(cols) == 2
     assert np.isnan(cols.step_s[1]) and cols == rows
+
+
+def _big_job(ranks: int = 70) -> list[dict]:
+    scn = synth.Scenario(
+        ranks=ranks, steps=16, seed=9, mesh=False, faults=(synth.SlowCompute(23, 1.5, 6, 16),)
+    )
+    return synth.generate(scn)[0]
+
+
+def _edit(recs: list[dict], how: str) -> list[dict]:
+    """A big job's records with one step made unusual, as a live stream can make it."""
+    out = [dict(r) for r in recs]
+    colls = [r for r in out if r["kind"] == "coll" and r["step"] == 7]
+    if how == "duplicate":  # a datagram delivered twice
+        out.insert(out.index(colls[5]) + 1, dict(colls[5]))
+    elif how == "missing":  # one rank's collective lost on the way
+        out.remove(colls[9])
+    elif how == "groups":  # every record names its group (HSDP-style keys)
+        for r in out:
+            if r["kind"] == "coll":
+                r["group"] = "shard" if r["seq"] % 2 else "replicate"
+    elif how == "ill-typed":  # fed straight in: no trace reader checked it
+        colls[3]["issue"] = "soon"
+    elif how == "other-op":  # one rank's collectives of another op
+        for r in colls:
+            if r["rank"] == 4:
+                r["op"] = "all_reduce"
+    return out
+
+
+@pytest.mark.parametrize(
+    ("how", "scalar_steps"),
+    [("duplicate", [7]), ("missing", [7]), ("ill-typed", [7]), ("groups", []), ("other-op", [])],
+)
+def test_an_unusual_big_step_is_summarised_as_the_scalar_path_does(
+    how: str, scalar_steps: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the default threshold, a 70-rank job: the unusual step goes the scalar
+    way (group keys and a rank's other op stay columns) and every figure,
+    the malformed count included, stays the scalar path's."""
+    recs = _edit(_big_job(), how)
+    with monkeypatch.context() as m:
+        m.setattr(correlate, "COLUMNAR_RANKS", 1 << 30)
+        m.setattr(columnar, "COLUMNAR_RANKS", 1 << 30)
+        scalar = _summaries(recs)
+    cols = _summaries(recs)
+    assert not any(scalar.pop("kinds"))
+    assert [i for i, k in enumerate(cols.pop("kinds")) if k is None] == scalar_steps
+    for key, want in scalar.items():
+        assert cols[key] == want, key
+
+
+def _summaries(recs: list[dict]) -> dict[str, Any]:
+    pipe = Pipeline()
+    kinds: list[Any] = []
+    steps: list[Any] = []
+    summarise = pipe.corr.step_summary
+
+    def spy(step: int, now: float) -> Any:
+        s = summarise(step, now)
+        kinds.append(s.ranks)
+        steps.append((step, tuple(s.ranks)))
+        return s
+
+    pipe.corr.step_summary = spy  # type: ignore[method-assign]
+    verdicts = pipe.feed_many(recs)
+    snap = pipe.snapshot()
+    return {
+        "verdicts": verdicts,
+        "steps": steps,
+        "kinds": [k if isinstance(k, StepRanks) else None for k in kinds],
+        "malformed": pipe.stats["malformed"],
+        "totals": [
+            (
+                r.rank,
+                r.coll_count_total,
+                r.coll_bytes_total,
+                r.coll_seconds_total,
+                r.coll_wait_buckets,
+            )
+            for r in snap.ranks
+        ],  # fmt: skip
+    }
