@@ -230,3 +230,31 @@ def _summaries(recs: list[dict]) -> dict[str, Any]:
             for r in snap.ranks
         ],  # fmt: skip
     }
+
+
+@pytest.mark.parametrize("change", [{"window": 5}, {"window": 2, "sustained_window": 5}])
+def test_new_windows_mid_run_give_the_scalar_paths_verdicts(
+    change: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thresholds swapped while running (``Pipeline.set_config``): a history
+    longer than its new window is shortened only by its next push, so the
+    columns step aside (one rank at a time) until every track fits again."""
+    from fsdp_sentinel.detect import DetectConfig
+
+    recs = _big_job()
+    cut = next(i for i, r in enumerate(recs) if r["kind"] == "step" and r["step"] == 9)
+
+    def run() -> tuple[list[dict], list[Any]]:
+        pipe = Pipeline()
+        out = pipe.feed_many(recs[:cut])
+        pipe.set_config(DetectConfig().with_(**change))
+        out += pipe.feed_many(recs[cut:])
+        return out, sorted(columnar.as_dict(pipe.state.tracks).items())
+
+    with monkeypatch.context() as m:
+        m.setattr(correlate, "COLUMNAR_RANKS", 1 << 30)
+        m.setattr(columnar, "COLUMNAR_RANKS", 1 << 30)
+        scalar = run()
+    cols = run()
+    assert cols == scalar
+    assert any(v["cause"] == "compute" for v in scalar[0])
