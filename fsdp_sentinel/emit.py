@@ -3,7 +3,9 @@
 :meth:`Emitter.emit` only appends the record to an in-memory queue (a deque
 append, well under a microsecond) and returns; it never blocks and never
 raises into training. A background thread wakes every ``flush_interval``
-seconds (:data:`FLUSH_INTERVAL`, 250 ms) and drains the queue: the drained
+seconds (:data:`FLUSH_INTERVAL`, 250 ms; at the multiples of it on the
+monotonic clock, so a node's ranks drain together and the daemon wakes once
+for all of their datagrams) and drains the queue: the drained
 records go as JSON lines (``\n``-separated, no trailing newline), packed
 into as few datagrams of at most :data:`MAX_DATAGRAM` bytes as they fit in,
 on a non-blocking AF_UNIX SOCK_DGRAM socket to the daemon's ingest socket,
@@ -212,7 +214,7 @@ class Emitter:
 
     # ------------------------------------------------------------ internals
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval):
+        while not self._stop.wait(self._until_next()):
             for tick in self._tickers:
                 try:
                     tick()
@@ -222,6 +224,15 @@ class Emitter:
                 self.flush()
             except Exception:  # noqa: BLE001 - the sender thread must outlive any record
                 self._dropped_send += 1
+
+    def _until_next(self) -> float:
+        """Seconds to the next multiple of ``flush_interval`` on the clock.
+        The ranks of a node share one monotonic clock, so they drain at the
+        same instants and the daemon's ingest thread wakes once for all
+        their datagrams, not once for each rank's (a wake-up costs the
+        daemon more than the records it brings)."""
+        step = self.flush_interval
+        return step - self._clock() % step if step > 0 else 0.0
 
     def _write(self, rec: dict[str, Any]) -> None:
         try:

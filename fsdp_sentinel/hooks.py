@@ -367,11 +367,18 @@ class Instrumentation:
         if not self._inflight:
             return
         now = self.clock()
+        every = self.pending_every_s
         for entry in list(self._inflight.values()):
             rec, due = entry
             if now < due:
                 continue
-            entry[1] = now + self.pending_every_s
+            # The next one is due a period after this one was due, not after
+            # this tick: the sender's ticks fall on a fixed grid (emit: the
+            # multiples of its flush interval), and a tick a little earlier
+            # past its grid point than the last one must not push the record
+            # to the tick after. Behind by a period or more (a starved
+            # sender): a period from now, no burst to catch up.
+            entry[1] = due + every if now - due < every else now + every
             self.pendings += 1
             self._safe_emit(functools.partial(self._pending_record, rec, now))
 

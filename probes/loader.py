@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes as ct
+import errno
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,15 @@ NSTATS = 12  # sentinel.h: SENTINEL_NSTATS
 
 #: bytes of one hot slot (sentinel.h: struct hot_slot)
 HOT_SLOT_BYTES = 64
+
+#: drained map -> the stats slot that counts the entries the kernel created
+#: in it (sentinel.h SENTINEL_STAT_*_NEW). A drained map whose count has not
+#: moved since the stats read before its last drain holds nothing: the poll
+#: skips it (no map syscall, no walk of its buckets).
+CREATED_STAT = {"flows": 0, "orphans": 1, "conn_events": 3, "closed": 4, "nccl_calls": 6, "qps": 7}
+
+#: entries a batch read takes per call (buffers kept between polls)
+BATCH_ENTRIES = 256
 
 #: maps emptied at every poll (the rest are read in place)
 DRAINED_MAPS = (
@@ -200,6 +211,59 @@ def _read_all(table: Any, batch: bool) -> list[tuple[Any, Any]]:
     return list(table.items())
 
 
+class MapReader:
+    """A whole map read with the kernel's batch calls into buffers kept from
+    one read to the next. bcc's ``items_lookup_batch`` allocates and zeroes
+    two arrays of ``max_entries`` elements at every call (4.7 MB for
+    ``socks``) for the dozen entries a poll finds; here ``BATCH_ENTRIES`` at
+    a time, and the entries copied out, so the buffers can be used again."""
+
+    def __init__(self, table: Any, entries: int = BATCH_ENTRIES) -> None:
+        self._fd = table.map_fd
+        self._key, self._leaf = table.Key, table.Leaf
+        self._ksize, self._vsize = ct.sizeof(self._key), ct.sizeof(self._leaf)
+        # The batch token: a bucket number (hash maps) or a key (arrays).
+        self._token = (ct.c_uint8 * max(8, self._ksize))()
+        self._token_p = ct.cast(self._token, ct.POINTER(ct.c_uint32))
+        self._count = ct.c_uint32()
+        self._size(min(entries, int(table.max_entries)))
+
+    def _size(self, n: int) -> None:
+        self._n = n
+        self._keys = (self._key * n)()
+        self._vals = (self._leaf * n)()
+
+    def read(self, delete: bool = False) -> list[tuple[Any, Any]]:
+        """Every (key, value), deleted as read when ``delete``."""
+        from bcc.libbcc import lib  # type: ignore[import-not-found]
+
+        call = lib.bpf_lookup_and_delete_batch if delete else lib.bpf_lookup_batch
+        out: list[tuple[Any, Any]] = []
+        first = True
+        while True:
+            self._count.value = self._n
+            res = call(self._fd, None if first else self._token_p, self._token_p,
+                       self._keys, self._vals, ct.byref(self._count))  # fmt: skip
+            err = ct.get_errno()
+            got = self._count.value
+            if got:
+                kb, vb = self._keys, self._vals
+                key, leaf, ks, vs = self._key, self._leaf, self._ksize, self._vsize
+                out += [
+                    (key.from_buffer_copy(kb, i * ks), leaf.from_buffer_copy(vb, i * vs))
+                    for i in range(got)
+                ]
+            if res == 0:
+                first = False
+                continue
+            if err == errno.ENOENT:  # the whole map has been read
+                return out
+            if err == errno.ENOSPC and not got:  # one bucket holds more than the buffer
+                self._size(self._n * 2)
+                continue
+            raise OSError(err, f"BPF map batch read: {os.strerror(err)}")
+
+
 def _int(v: Any) -> int:
     """A scalar map key/value: bcc yields ctypes scalars or plain ints."""
     return int(getattr(v, "value", v))
@@ -232,6 +296,10 @@ class ProbeSet:
         self._sock_seen: dict[tuple[int, R.Tuple], tuple[int, int]] = {}
         self._pending_conns: list[tuple[dict[str, Any], int, R.Tuple, int]] = []
         self._stats: dict[int, int] = {}
+        self._readers: dict[str, MapReader] = {}
+        # drained map -> its CREATED_STAT count read before its last drain
+        self._drained_at: dict[str, int] = {}
+        self.skipped_drains: Counter[str] = Counter()  # by map: nothing created since
         self.lost_orphan_bytes = 0
         self._devstats: DeviceStats | None = None
         self._sockdiag: SockDiag | None = None
@@ -307,12 +375,12 @@ class ProbeSet:
         time.sleep(START_SETTLE_S)
         for name in DRAINED_MAPS:
             try:
-                table = self._bpf[name.encode()]
+                self._bpf[name.encode()]
             except KeyError:  # its family is not compiled in
                 continue
-            self.evictions.harvest(name, sum(1 for _ in _drain(table, self._batch)))
+            self.evictions.harvest(name, len(self._read(name, delete=True)))
         if "tcp" in self.config.families:  # bytes already counted are the baseline
-            self._owner_bytes(*self._read_socks(self._bpf, self._batch))
+            self._owner_bytes(*self._read_socks())
         self._last_t = self._clock()
         self._stats = self._read_stats()
         if "tcp" in self.config.families:
@@ -489,6 +557,9 @@ class ProbeSet:
     # ------------------------------------------------------------------ polling
 
     def _read_stats(self) -> dict[int, int]:
+        """Each stats slot summed over the CPUs (one batch read where the kernel has it)."""
+        if self._batch:
+            return {_int(k): int(sum(v)) for k, v in self._read("stats")}
         out: dict[int, int] = {}
         table = self._bpf[b"stats"]
         for idx in range(NSTATS):
@@ -496,9 +567,29 @@ class ProbeSet:
             out[idx] = int(sum(vals))
         return out
 
+    def _read(self, name: str, delete: bool = False) -> list[tuple[Any, Any]]:
+        """Every entry of map ``name`` (deleted as read when ``delete``)."""
+        table = self._bpf[name.encode()]
+        if not self._batch:
+            return list(_drain(table, False)) if delete else _read_all(table, False)
+        reader = self._readers.get(name)
+        if reader is None:
+            reader = self._readers[name] = MapReader(table)
+        return reader.read(delete)
+
     def _harvest(self, name: str) -> list[tuple[Any, Any]]:
-        """Drain map ``name``, counting what came out (for eviction figures)."""
-        got = list(_drain(self._bpf[name.encode()], self._batch))
+        """Drain map ``name``, counting what came out (for eviction figures).
+        Skipped when the kernel created nothing in it since the stats read
+        before its last drain (this poll's stats: read first): it is empty."""
+        idx = CREATED_STAT.get(name)
+        if idx is not None:
+            created = self._stats.get(idx, 0)
+            if self._drained_at.get(name) == created:
+                self.skipped_drains[name] += 1
+                self.evictions.harvest(name, 0)
+                return []
+            self._drained_at[name] = created
+        got = self._read(name, delete=True)
         self.evictions.harvest(name, len(got))
         return got
 
@@ -536,7 +627,7 @@ class ProbeSet:
         return out
 
     def _poll_tcp(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
-        socks, hot = self._read_socks(b, batch)
+        socks, hot = self._read_socks(self._stat(STAT_HOT_CLAIM) + self._stat(STAT_HOT_STEAL))
         by_tuple: dict[R.Tuple, Any] = {_tuple(v.t): v for v in socks.values() if v.known}
         # socks is not drained: what it lost to the LRU is what was created
         # minus what the kernel deleted minus what is still there.
@@ -565,14 +656,15 @@ class ProbeSet:
         return out
 
     def _read_socks(
-        self, b: Any, batch: bool
+        self, claims: int | None = None
     ) -> tuple[dict[int, Any], dict[int, tuple[int, int, int]]]:
         """``(socks, hot)`` for :meth:`_owner_bytes`: the hot slots read before
         socks, as socks is before closed (tcp_flows.c frees a slot only after
         socks lost its socket, and folds it into closed first): each byte
-        counts once."""
-        hot = self._hot.read() if self._hot is not None else {}
-        return {_int(k): v for k, v in _read_all(b[b"socks"], batch)}, hot
+        counts once. ``claims``: the slot claims the stats counted, read
+        before (:meth:`HotSlots.read`)."""
+        hot = self._hot.read(claims) if self._hot is not None else {}
+        return {_int(k): v for k, v in self._read("socks")}, hot
 
     def _owner_bytes(
         self, socks: dict[int, Any], hot: dict[int, tuple[int, int, int]]
@@ -842,8 +934,11 @@ class ProbeSet:
         return R.netdev_records(self._devstats.poll(), now, dt, host)
 
     def _poll_nccl(self, b: Any, batch: bool, now: float, dt: float, host: str) -> list[dict]:
-        comms = {_int(k): v for k, v in _read_all(b[b"nccl_comms"], batch)}
-        return R.nccl_records(self._harvest("nccl_calls"), comms, now, dt, host)
+        calls = self._harvest("nccl_calls")
+        if not calls:
+            return []
+        comms = {_int(k): v for k, v in self._read("nccl_comms")}
+        return R.nccl_records(calls, comms, now, dt, host)
 
     def _poll_qps(self, b: Any, batch: bool, now: float, host: str) -> list[dict]:
         return R.qp_records(self._harvest("qps"), now, host)
@@ -914,6 +1009,9 @@ class HotSlots:
         import mmap
 
         self._table, self._batch = table, batch
+        self._held: list[int] | None = None  # slots held at the last read
+        self.whole_reads = 0  # reads of every slot (the others read the held ones)
+        self._claims: int | None = None  # the claim count read before the last whole read
         self._mm: Any = None
         self._words: memoryview | None = None
         size = -(-((1 << bits) * HOT_SLOT_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -928,8 +1026,13 @@ class HotSlots:
     def mapped(self) -> bool:
         return self._words is not None
 
-    def read(self) -> dict[int, tuple[int, int, int]]:
-        """Socket address -> (owner tgid, tx bytes, rx bytes) of every held slot."""
+    def read(self, claims: int | None = None) -> dict[int, tuple[int, int, int]]:
+        """Socket address -> (owner tgid, tx bytes, rx bytes) of every held slot.
+
+        ``claims``: the kernel's count of slot claims (and steals), read
+        before this call. While it has not moved since the last whole read,
+        no slot was taken since: the held ones are then all there is to read
+        (a slot is only freed meanwhile), not all 4,096. None: read them all."""
         out: dict[int, tuple[int, int, int]] = {}
         w = self._words
         if w is None:
@@ -938,13 +1041,23 @@ class HotSlots:
                     out[int(v.sk)] = (int(v.tgid), int(v.tx_bytes), int(v.rx_bytes))
             return out
         per = HOT_SLOT_BYTES // 8
-        sks = w[::per].tolist()
-        for i, sk in enumerate(sks):
+        if claims is None or claims != self._claims or self._held is None:
+            sks = w[::per].tolist()
+            slots: Iterable[int] = range(len(sks))
+            held: list[int] = []
+            self.whole_reads += 1
+        else:
+            slots, held = self._held, []
+            sks = None
+        for i in slots:
+            base = i * per
+            sk = w[base] if sks is None else sks[i]
             if sk > 1:  # 0 free, 1 being claimed or released
-                base = i * per
+                held.append(i)
                 tgid, tx, rx = w[base + 1] & 0xFFFFFFFF, w[base + 2], w[base + 3]
                 if w[base] == sk:  # not reclaimed while it was read
                     out[sk] = (tgid, tx, rx)
+        self._held, self._claims = held, claims
         return out
 
     def close(self) -> None:

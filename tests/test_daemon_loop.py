@@ -176,6 +176,7 @@ def running(paths) -> Iterator[Callable[..., Running]]:
             metrics_addr=None,
             interval=kw.pop("interval", 0.05),
             pid_check_interval=kw.pop("pid_check_interval", 5.0),
+            take_every=kw.pop("take_every", 1.0),
             # This process sends for every synthetic rank (none of their pids).
             trust_record_pid=True,
         )
@@ -307,6 +308,53 @@ def test_remediator_sees_verdicts_and_its_actions_follow_them(running, paths) ->
     assert body[-1]["state"] == "rolled_back"  # undone at exit, before the trace closed
     assert replay(body) == verdicts  # actions do not disturb replay
     assert_verdicts_follow_their_records(body)
+
+
+class TimedPipeline(LateRankPipeline):
+    """Notes when (monotonic) each record reached the pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fed: list[tuple[float, str]] = []
+
+    def feed(self, rec: Record) -> list[Record]:
+        self.fed.append((time.monotonic(), rec["kind"]))
+        return super().feed(rec)
+
+
+def test_records_are_taken_in_one_go_not_one_wake_a_datagram(running, paths) -> None:
+    # Ten datagrams 30 ms apart (a rank's emitter sends every 250 ms; four
+    # ranks, 16 a second): the pipeline thread takes them in at most two
+    # bursts (a take every second, at most one falls inside 0.3 s), not ten.
+    p = TimedPipeline()
+    r = running(pipeline=p, interval=1.0)
+    recs = [{"kind": "step", "rank": 0, "step": n, "start": n, "end": n + 0.5} for n in range(10)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        for rec in recs:
+            s.sendto(json.dumps(rec).encode(), str(paths["socket"]))
+            time.sleep(0.03)
+    wait_for(lambda: r.daemon.counts["step"] == 10)
+    r.stop()
+    times = [t for t, kind in p.fed if kind == "step"]
+    gaps = [round(b - a, 3) for a, b in zip(times, times[1:], strict=False)]
+    bursts = 1 + sum(1 for g in gaps if g > 0.015)
+    assert bursts <= 2, f"{bursts} bursts, gaps {gaps}"
+    assert [x for x in read_trace(paths["trace"]) if x["kind"] == "step"] == recs
+
+
+def test_a_rank_record_is_taken_at_once_so_its_pid_is_counted(running, paths) -> None:
+    # Takes every 5 s here: the rank record alone wakes the pipeline thread,
+    # so the probes count the new rank's process within milliseconds.
+    probes = ListProbes()
+    r = running(probes=probes, interval=5.0, take_every=5.0)
+    time.sleep(0.2)  # past the first tick
+    rank = {"kind": "rank", "t": time.time(), "rank": 0, "world_size": 1, "host": "h",
+            "pid": 4001, "addrs": []}  # fmt: skip
+    t0 = time.monotonic()
+    send_all(paths["socket"], [rank])
+    wait_for(lambda: probes.registered == [4001], timeout=2.0)
+    assert time.monotonic() - t0 < 2.0 and probes.polls == 1
+    r.stop()
 
 
 class ExplodingPipeline(LateRankPipeline):

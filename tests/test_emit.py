@@ -334,3 +334,40 @@ def test_emit_after_close_is_a_no_op(sock_path: str, receiver: socket.socket) ->
     em.close()
     em.emit(REC)
     assert (em.sent, em.dropped) == (0, 0)
+
+
+def test_emitters_started_apart_drain_together(sock_path: str, receiver: socket.socket) -> None:
+    # Two ranks' emitters started 100 ms apart drain at the same instants
+    # (multiples of flush_interval on the shared monotonic clock): the
+    # daemon's ingest thread then wakes once for both datagrams. Unaligned,
+    # their drains stayed 100 ms apart for good.
+    import time
+
+    receiver.setblocking(True)
+    receiver.settimeout(5)
+    first = Emitter(sock_path, flush_interval=0.3)
+    time.sleep(0.1)
+    second = Emitter(sock_path, flush_interval=0.3)
+    try:
+        arrivals: dict[int, list[float]] = {0: [], 1: []}
+        for _ in range(3):
+            first.emit({**REC, "rank": 0})
+            second.emit({**REC, "rank": 1})
+            for _ in range(2):
+                rec = json.loads(receiver.recv(MAX_DATAGRAM + 1))
+                arrivals[rec["rank"]].append(time.monotonic())
+        gaps = [abs(a - b) for a, b in zip(arrivals[0], arrivals[1], strict=True)]
+        assert max(gaps) < 0.05, gaps
+        # ... on the clock's multiples of the interval
+        assert all(0.3 - t % 0.3 < 0.05 or t % 0.3 < 0.05 for t in arrivals[0]), arrivals[0]
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_next_drain_is_at_the_next_multiple_of_the_interval() -> None:
+    em = Emitter(None, flush_interval=0.25, clock=lambda: 1000.37)
+    try:
+        assert abs(em._until_next() - 0.13) < 1e-9
+    finally:
+        em.close()

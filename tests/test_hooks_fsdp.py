@@ -485,6 +485,40 @@ def test_pending_records_come_from_the_sender_thread_while_a_collective_is_in_fl
     assert inst.pendings == len(pend) and em.ticker_errors == 0
 
 
+def test_pending_records_keep_their_period_on_the_senders_tick_grid() -> None:
+    # The sender ticks on a 0.25-s grid, each tick a little late (thread
+    # wake-up). A record due at 2.0 is sent at the tick 2.001 even though the
+    # previous one went out at 1.003: due a period after it was due, not
+    # after the tick (which put it at 2.25 whenever a tick was less late
+    # than the one before). A sender starved for seconds sends one, then
+    # keeps its period from then.
+    from fsdp_sentinel.hooks import Instrumentation
+
+    class Ticks:
+        def __init__(self) -> None:
+            self.tick: Any = None
+            self.recs: list[dict[str, Any]] = []
+
+        def add_ticker(self, fn: Any) -> None:
+            self.tick = fn
+
+        def emit(self, rec: dict[str, Any]) -> None:
+            self.recs.append(rec() if callable(rec) else rec)
+
+    now = [0.0]
+    em = Ticks()
+    inst = Instrumentation(em, rank=0, world_size=2, host="h", clock=lambda: now[0])  # type: ignore[arg-type]
+    rec = inst._issue("all_gather", FakeTensor(), FakeGroup())  # type: ignore[arg-type]
+    assert rec is not None
+    sent = []
+    for t in (0.752, 1.003, 1.251, 1.502, 1.753, 2.001, 2.252, 3.004, 6.6, 6.85, 7.1, 7.35, 7.6):
+        now[0] = t
+        n = len(em.recs)
+        em.tick()
+        sent += [t] * (len(em.recs) - n)
+    assert sent == [1.003, 2.001, 3.004, 6.6, 7.6]
+
+
 @pytest.mark.torch
 def test_a_rank_waiting_for_a_stalled_peer_reports_pending_and_the_stalled_one_does_not(
     tmp_path: Path,

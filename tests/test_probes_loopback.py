@@ -249,6 +249,52 @@ def test_pid_filter_counts_only_registered() -> None:
     assert sum(r["tx_bytes"] for r in flows if r["src"] == f"127.0.0.1:{cport}") == 500000
 
 
+def test_quiet_polls_skip_the_drains_and_read_only_the_held_slots_yet_count_exactly() -> None:
+    # Only this process registered: nothing else creates entries. A poll with
+    # nothing created since the last drain skips it (and rereads only the
+    # slots held at the last whole read); the next connection, its bytes
+    # moved and closed between two polls, comes out whole all the same.
+    ps = ProbeSet(ProbeConfig(pid_filter=True, families=("tcp",)))
+    ps.start()
+    ps.register_pid(os.getpid())
+    try:
+        ps.poll()  # the first poll drains every map
+        hot = ps._hot
+        assert hot is not None and hot.mapped
+        for _ in range(3):
+            ps.poll()
+        assert all(ps.skipped_drains[m] >= 3 for m in ("flows", "closed", "conn_events")), (
+            ps.skipped_drains
+        )
+        whole = hot.whole_reads
+        srv, c, a, cli, ser = _connection()
+        c.sendall(b"x" * 300_001)
+        got = 0
+        while got < 300_001:
+            got += len(a.recv(1 << 16))
+        a.sendall(b"y" * 17)
+        assert c.recv(64) == b"y" * 17
+        recs = ps.poll()  # the connection is open: its bytes through socks and a slot
+        assert hot.whole_reads == whole + 1  # a claim since: every slot read
+        c.sendall(b"z" * 5)
+        assert a.recv(64) == b"z" * 5
+        recs += ps.poll()  # no claim since: the held slots only
+        assert hot.whole_reads == whole + 1
+        c.sendall(b"w" * 11)  # then closed: these bytes only the closed map holds
+        assert a.recv(64) == b"w" * 11
+        for sock in (c, a, srv):
+            sock.close()
+        time.sleep(0.05)
+        skipped = dict(ps.skipped_drains)
+        recs += ps.poll()  # closed since the last poll: drained from closed
+        assert ps.skipped_drains["closed"] == skipped["closed"]
+    finally:
+        ps.close()
+    assert _sum(recs, cli, ser)[:2] == (300_017, 17)
+    assert _sum(recs, ser, cli)[:2] == (17, 300_017)
+    assert {r["what"] for r in recs if r["kind"] == "conn" and r["src"] == cli} >= {"close"}
+
+
 def test_flows_command_prints_trace_v1_json() -> None:
     import json
     import subprocess
