@@ -83,13 +83,17 @@ class PairFlow(NamedTuple):
     dt: float
     srtt_us: float | None
     retrans: int
-    # The window's samples, ``(t, dt, tx, rx, srtt_us, retrans, cwnd)``: the
-    # network rule takes its medians from them, only when it needs them.
+    # The window's samples, ``(t, dt, tx, rx, srtt_us, retrans, cwnd,
+    # dsack_dups)``: the network rule takes its medians from them, only when
+    # it needs them.
     samples: tuple[tuple[Any, ...], ...] = ()
     # Every sample's source was a loopback address (:func:`loopback_endpoint`):
     # no wire and no queue between the ends, so its srtt and retransmits say
     # how promptly the two processes ran, nothing about a network.
     loopback: bool = False
+    # Of ``retrans``, segments the receiver reported it already had (D-SACK):
+    # spurious retransmits, of data that had arrived (its ACK was late).
+    dsack_dups: int = 0
 
 
 class RankLiveness(NamedTuple):
@@ -611,8 +615,8 @@ class _Pair:
     )
 
     def __init__(self) -> None:
-        # (t, dt, tx, rx, srtt_us or None, retrans, cwnd or None)
-        self.samples: deque[tuple[float, float, int, int, float | None, int, Any]] = deque()
+        # (t, dt, tx, rx, srtt_us or None, retrans, cwnd or None, dsack_dups)
+        self.samples: deque[tuple[float, float, int, int, float | None, int, Any, int]] = deque()
         self.tx_total = 0
         self.rx_total = 0
         self.retrans_total = 0
@@ -1267,7 +1271,9 @@ class Correlator:
         retrans = int(rec.get("retrans") or 0)
         t = float(rec["t"])
         samples = pair.samples
-        samples.append((t, dt, tx, rx, srtt, retrans, rec.get("cwnd")))
+        samples.append(
+            (t, dt, tx, rx, srtt, retrans, rec.get("cwnd"), int(rec.get("dsack_dups") or 0))
+        )
         if t > pair.last_t:
             pair.last_t = t
         self.flow_dt = dt
@@ -1755,15 +1761,16 @@ class Correlator:
             if view is not None:
                 out.append(view)
                 continue
-            tx = rx = retrans = 0
+            tx = rx = retrans = dsack = 0
             dt = 0.0
             wsum = 0.0
             wbytes = 0
-            for _t, sdt, stx, srx, srtt, sre, _cwnd in samples:
+            for _t, sdt, stx, srx, srtt, sre, _cwnd, sdup in samples:
                 tx += stx
                 rx += srx
                 dt += sdt
                 retrans += sre
+                dsack += sdup
                 if srtt is not None:
                     w = stx if stx > 0 else 1
                     wsum += srtt * w
@@ -1778,6 +1785,7 @@ class Correlator:
                 retrans,
                 tuple(samples),
                 pair.loopback,
+                dsack,
             )
             out.append(view)
         self._matrix = matrix = tuple(out)

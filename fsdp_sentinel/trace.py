@@ -146,7 +146,9 @@ MAX_ADDRS = 64
 # The field families, each with one rule (and one fast form, below).
 _TIME_FIELDS = ("t", "start", "end", "issue")
 _INT_FIELDS = ("rank", "step", "seq", "pid", "peer_rank", "port", "qp_num", "host_pid", "attempt")
-_COUNT_FIELDS = ("bytes", "tx_bytes", "rx_bytes", "calls", "retrans", "drops", "backlog")
+_COUNT_FIELDS = (
+    "bytes", "tx_bytes", "rx_bytes", "calls", "retrans", "dsack_dups", "drops", "backlog",
+)  # fmt: skip
 _STR_FIELDS = ("host", "op", "src", "dst", "dev", "what", "state", "cause", "job", "direction")
 _NUMBER = "(type(v) is float or type(v) is int)"
 _RULES: dict[str, str] = {
@@ -188,7 +190,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "rank": ("job", "host_pid", "attempt"),
     "coll": ("group", "group_size"),
     "pending": ("group",),
-    "flow": ("srtt_us", "retrans", "cwnd", "rank", "peer_rank"),
+    "flow": ("srtt_us", "retrans", "dsack_dups", "cwnd", "rank", "peer_rank"),
     "netdev": ("drops", "backlog"),
     "verdict": ("host", "peer_rank", "job"),
     "fault": ("step", "end"),

@@ -385,7 +385,7 @@ class ProbeSet:
         self._stats = self._read_stats()
         if "tcp" in self.config.families:
             self._sockdiag = SockDiag(self.config.netns_dir, self.config.proc_root)
-            self._sockdiag.retrans_delta(self._sockdiag.read(self._registered))  # baseline
+            self._sockdiag.deltas(self._sockdiag.read(self._registered))  # baseline
             self.report.attached.append("sock_diag:tcp_info")
         if "netdev" in self.config.families:
             self._devstats = DeviceStats(self.config.netns_dir, only=self.config.netns_only)
@@ -834,7 +834,7 @@ class ProbeSet:
         read: list[tuple[tuple[int, int], DiagSocket]],
     ) -> None:
         """srtt, cwnd and the send window now, and the retransmitted segments
-        since the last poll, from the kernel's tcp_info (probes/sockdiag.py);
+        (and those the peer reported as duplicates: D-SACK) since the last poll, from the kernel's tcp_info (probes/sockdiag.py);
         sockets destroyed since the last poll add their last retransmits
         (the destroy broadcast), and carry no srtt. A connection that only
         retransmitted goes to the process that moved its bytes, else the one
@@ -842,7 +842,7 @@ class ProbeSet:
         else the registered process holding its inode."""
         if self._sockdiag is None:
             return
-        retrans = self._sockdiag.retrans_delta(read)
+        counts = self._sockdiag.deltas(read)
         destroyed = self._sockdiag.destroyed
         self._owners.round += 1
         info: dict[R.Tuple, DiagSocket] = {}
@@ -852,7 +852,7 @@ class ProbeSet:
             live = sk.state != TCP_CLOSE
             if live:
                 info[tup] = sk
-            n = retrans.get((ns, sk.cookie), 0)
+            n = counts.get((ns, sk.cookie))
             owner = owners.get(tup)
             if owner is None and n:
                 owner = cache.get((ns, sk.cookie))
@@ -869,7 +869,9 @@ class ProbeSet:
             elif not live:
                 cache.pop((ns, sk.cookie), None)
             if n:
-                flows.setdefault((owner or 0, tup), R.FlowFigures()).retrans += n
+                fig = flows.setdefault((owner or 0, tup), R.FlowFigures())
+                fig.retrans += n.retrans
+                fig.dsack_dups += n.dsack_dups
         while len(cache) > self.config.max_socks:  # oldest first
             del cache[next(iter(cache))]
         for (_, tup), fig in flows.items():

@@ -70,6 +70,9 @@ class FlowFigures:
     tx_bytes: int = 0
     rx_bytes: int = 0
     retrans: int = 0
+    #: retransmitted segments the receiver reported it already had (D-SACK):
+    #: spurious retransmits (a late ACK, not a lost packet)
+    dsack_dups: int = 0
     srtt_us: int | None = None
     cwnd: int | None = None
     snd_wnd: int | None = None
@@ -85,7 +88,7 @@ def flow_records(
     """One ``flow`` record per (pid, connection) that moved bytes or retransmitted."""
     out: list[dict[str, Any]] = []
     for (pid, tup), fig in sorted(flows.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        if not (fig.tx_bytes or fig.rx_bytes or fig.retrans):
+        if not (fig.tx_bytes or fig.rx_bytes or fig.retrans or fig.dsack_dups):
             continue
         rec: dict[str, Any] = {
             "kind": "flow",
@@ -99,6 +102,8 @@ def flow_records(
             "rx_bytes": fig.rx_bytes,
             "retrans": fig.retrans,
         }
+        if fig.dsack_dups:
+            rec["dsack_dups"] = fig.dsack_dups
         if fig.srtt_us is not None:
             rec["srtt_us"] = fig.srtt_us
         if fig.cwnd is not None:

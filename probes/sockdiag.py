@@ -43,6 +43,7 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ _NLA = struct.Struct("=HH")
 # struct tcp_info offsets (UAPI, fields only ever appended).
 _TI_RTT, _TI_SND_CWND, _TI_TOTAL_RETRANS = 68, 80, 100
 _TI_BYTES_ACKED, _TI_BYTES_RECEIVED, _TI_SND_WND = 120, 128, 228
-_TI_BYTES_SENT, _TI_BYTES_RETRANS = 200, 208
+_TI_BYTES_SENT, _TI_BYTES_RETRANS, _TI_DSACK_DUPS = 200, 208, 216
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,17 @@ class DiagSocket:
     bytes_sent: int = 0
     bytes_retrans: int = 0
     rqueue: int = 0  # rcv_nxt - copied_seq: received, not read by the process (FIN included)
+    #: segments the peer reported receiving twice (D-SACK, RFC 2883;
+    #: tcpi_dsack_dups, Linux 5.0+, 0 before): a retransmit the peer reports
+    #: so had already arrived, so it was spurious, not a loss
+    dsack_dups: int = 0
+
+
+class Counts(NamedTuple):
+    """What one socket's counters rose by between two reads."""
+
+    retrans: int  # segments retransmitted (tcpi_total_retrans)
+    dsack_dups: int  # of those, reported back as duplicates (tcpi_dsack_dups)
 
 
 def nl_request(
@@ -206,6 +218,7 @@ def _decode(payload: bytes) -> DiagSocket | None:
         bytes_sent=_u64(info, _TI_BYTES_SENT),
         bytes_retrans=_u64(info, _TI_BYTES_RETRANS),
         rqueue=rqueue,
+        dsack_dups=_u32(info, _TI_DSACK_DUPS) or 0,
     )
 
 
@@ -388,8 +401,8 @@ class SockDiag:
     ``read(pids)`` returns every socket now, each tagged with its namespace,
     and leaves in ``destroyed`` the sockets the kernel freed since the last
     read (their final tcp_info, from the destroy broadcast);
-    ``retrans_delta()`` turns consecutive reads into per-socket retransmit
-    deltas. ``close()`` closes the sockets (idempotent)."""
+    ``deltas()`` turns consecutive reads into per-socket retransmit (and
+    D-SACK) deltas. ``close()`` closes the sockets (idempotent)."""
 
     def __init__(self, netns_dir: str | None = "/run/netns", proc_root: str = "/proc") -> None:
         self.netns_dir = netns_dir
@@ -397,7 +410,8 @@ class SockDiag:
         self._socks: dict[tuple[int, int], socket.socket] = {}
         # ns -> destroy listener (None: it could not be opened, e.g. no CAP_NET_ADMIN)
         self._listeners: dict[tuple[int, int], socket.socket | None] = {}
-        self._prev: dict[tuple[int, int], dict[int, int]] = {}  # ns -> cookie -> total_retrans
+        # ns -> cookie -> (total_retrans, dsack_dups) at the last read
+        self._prev: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
         # ns -> cookie -> reads since a known socket left the dump undestroyed
         self._vanished: dict[tuple[int, int], dict[int, int]] = {}
         self.destroyed: list[tuple[tuple[int, int], DiagSocket]] = []  # since the last read
@@ -497,33 +511,37 @@ class SockDiag:
         self.destroy_overflows += overflows
         return got
 
-    def retrans_delta(
+    def deltas(
         self,
         read: list[tuple[tuple[int, int], DiagSocket]],
         namespaces: set[tuple[int, int]] | None = None,
         destroyed: list[tuple[tuple[int, int], DiagSocket]] | None = None,
-    ) -> dict[tuple[tuple[int, int], int], int]:
-        """(namespace, cookie) -> segments retransmitted since the namespace
-        was last read. ``namespaces``: those this read covered (default
-        ``last_read``); one not covered keeps its figures for the next.
-        ``destroyed``: the sockets freed since (default ``destroyed``); a
-        destroyed socket counts up to its final figure, and once. A socket
-        first seen in a namespace read before is new: all its retransmits
-        count (one born and destroyed between two reads too); the first read
-        of a namespace is its baseline (its sockets may be older than the
-        probes). A socket that left the dump without a destroy message yet
-        keeps its last figure for ``VANISHED_READS`` reads."""
+    ) -> dict[tuple[tuple[int, int], int], Counts]:
+        """(namespace, cookie) -> what the socket's counters (:class:`Counts`:
+        retransmitted segments, and those the peer reported as duplicates)
+        rose by since the namespace was last read; only sockets where one rose.
+        ``namespaces``: those this read covered (default ``last_read``); one
+        not covered keeps its figures for the next. ``destroyed``: the sockets
+        freed since (default ``destroyed``); a destroyed socket counts up to
+        its final figures, and once. A socket first seen in a namespace read
+        before is new: all of its counts count (one born and destroyed between
+        two reads too); the first read of a namespace is its baseline (its
+        sockets may be older than the probes). A socket that left the dump
+        without a destroy message yet keeps its last figures for
+        ``VANISHED_READS`` reads."""
         covered = self.last_read if namespaces is None else namespaces
         gone_list = self.destroyed if destroyed is None else destroyed
-        cur: dict[tuple[int, int], dict[int, int]] = {ns: {} for ns in covered}
+        zero = (0, 0)
+        cur: dict[tuple[int, int], dict[int, tuple[int, int]]] = {ns: {} for ns in covered}
         for ns, sk in read:
-            cur.setdefault(ns, {})[sk.cookie] = sk.total_retrans
-        gone: dict[tuple[int, int], dict[int, int]] = {}
+            cur.setdefault(ns, {})[sk.cookie] = (sk.total_retrans, sk.dsack_dups)
+        gone: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
         for ns, sk in gone_list:
             if ns in cur:
                 g = gone.setdefault(ns, {})
-                g[sk.cookie] = max(g.get(sk.cookie, 0), sk.total_retrans)
-        out: dict[tuple[tuple[int, int], int], int] = {}
+                r, d = g.get(sk.cookie, zero)
+                g[sk.cookie] = (max(r, sk.total_retrans), max(d, sk.dsack_dups))
+        out: dict[tuple[tuple[int, int], int], Counts] = {}
         for ns, socks in cur.items():
             prev = self._prev.get(ns)
             freed = gone.get(ns, {})
@@ -531,11 +549,12 @@ class SockDiag:
                 self._prev[ns] = {c: t for c, t in socks.items() if c not in freed}
                 self._vanished[ns] = {}
                 continue
-            for cookie, total in {**socks, **freed}.items():
-                total = max(total, socks.get(cookie, 0))
-                before = prev.get(cookie, 0)
-                if total > before:
-                    out[(ns, cookie)] = total - before
+            for cookie, (r, d) in {**socks, **freed}.items():
+                r_now, d_now = socks.get(cookie, zero)
+                r0, d0 = prev.get(cookie, zero)
+                rose = Counts(max(r, r_now) - r0, max(d, d_now) - d0)
+                if rose.retrans > 0 or rose.dsack_dups > 0:
+                    out[(ns, cookie)] = Counts(max(rose.retrans, 0), max(rose.dsack_dups, 0))
             ages = self._vanished.setdefault(ns, {})
             nxt = {c: t for c, t in socks.items() if c not in freed}
             for cookie, total in prev.items():

@@ -140,9 +140,11 @@ def test_flows_are_attributed_by_addresses_in_a_lab() -> None:
     c.add_rank(rank_rec(1, "b", 22, ["198.18.0.2"]))
     c.add_flow(flow("a", 11, "198.18.0.1:5000", "198.18.0.2:6000", 10.0, 1000, 2000.0))
     c.add_flow(flow("a", 11, "198.18.0.1:5000", "198.18.0.2:6000", 11.0, 3000, 4000.0, retrans=2))
-    (pf,) = c.flow_matrix(now=11.0)
-    assert (pf.rank, pf.peer, pf.tx_bytes, pf.retrans) == (0, 1, 4000, 2)
-    assert pf.srtt_us == pytest.approx((2000 * 1000 + 4000 * 3000) / 4000)
+    c.add_flow(flow("a", 11, "198.18.0.1:5000", "198.18.0.2:6000", 11.5, 0, 4000.0, dsack_dups=1))
+    (pf,) = c.flow_matrix(now=11.5)
+    assert (pf.rank, pf.peer, pf.tx_bytes, pf.retrans, pf.dsack_dups) == (0, 1, 4000, 2, 1)
+    # an idle sample weighs as one byte
+    assert pf.srtt_us == pytest.approx((2000 * 1000 + 4000 * 3000 + 4000 * 1) / 4001)
     # Older than the window: gone from the matrix, kept in the totals.
     assert c.flow_matrix(now=20.0) == ()
     assert c.pairs[(0, 1)].tx_total == 4000

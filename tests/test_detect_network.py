@@ -115,8 +115,13 @@ def test_busy_median_ignores_idle_samples_and_averages_an_even_middle() -> None:
         assert busy_median(busy + idle) == pytest.approx(want)
 
 
-def matrix(srtt: dict[tuple[int, int], float], retrans: dict[tuple[int, int], int]) -> tuple:
-    """A duplex 4-rank ring's flow matrix: 2 MB each way on every link."""
+def matrix(
+    srtt: dict[tuple[int, int], float],
+    retrans: dict[tuple[int, int], int],
+    dsack: dict[tuple[int, int], int] | None = None,
+) -> tuple:
+    """A duplex 4-rank ring's flow matrix: 2 MB each way on every link (``dsack``:
+    how many of a flow's retransmits the receiver reported as duplicates)."""
     from fsdp_sentinel.correlate import PairFlow
 
     pairs = [(a, (a + d) % 4) for a in range(4) for d in (1, 3)]
@@ -129,6 +134,7 @@ def matrix(srtt: dict[tuple[int, int], float], retrans: dict[tuple[int, int], in
             3.0,
             srtt.get((a, b), 2000.0),
             retrans.get((a, b), 0),
+            dsack_dups=(dsack or {}).get((a, b), 0),
         )
         for a, b in sorted(pairs)
     )
@@ -145,6 +151,30 @@ def test_a_handful_of_retransmits_with_clean_srtt_localises_nothing() -> None:
     # Hundreds, as real loss gives, do.
     flows = matrix({}, {(1, 0): 150, (1, 2): 140, (0, 1): 3})
     assert network_view(flows, [0, 1, 2, 3], None, cfg).node == {1: "retrans"}
+
+
+def test_retransmits_the_receiver_d_sacked_are_no_loss_and_localise_nothing() -> None:
+    """A receiver starved of CPU ACKs late and draws spurious retransmits from
+    every sender (the lab's slow-compute capture: 12 and 16 into the throttled
+    rank, 1 out of it, srtt 1.3-1.5x); the receiver D-SACKs each, as it had the
+    data. A lossy host's retransmits (the same counts, not D-SACKed) localise."""
+    from fsdp_sentinel.detect.network import network_view
+
+    cfg = DetectConfig().network
+    ranks = [0, 1, 2, 3]
+    srtt = {(1, 2): 3000.0, (3, 2): 3000.0}
+    into_2 = {(1, 2): 12, (3, 2): 16, (2, 1): 1}
+    view = network_view(matrix(srtt, into_2, into_2), ranks, None, cfg)
+    assert view.node == {} and view.links == {}
+    assert (view.total_retrans, view.spurious) == (0, 29)
+    lossy = network_view(matrix(srtt, into_2), ranks, None, cfg)
+    assert lossy.node == {2: "retrans"} and lossy.total_retrans == 29
+    # D-SACKs of a few do not hide the losses of the rest
+    mixed = network_view(matrix(srtt, into_2, {(1, 2): 2, (3, 2): 3}), ranks, None, cfg)
+    assert mixed.node == {2: "retrans"} and (mixed.total_retrans, mixed.spurious) == (24, 5)
+    # a duplicate the network made is D-SACKed without a retransmit: no negative loss
+    dup = network_view(matrix(srtt, into_2, {(1, 2): 40}), ranks, None, cfg)
+    assert dup.total_retrans == 17 and dup.spurious == 12
 
 
 def test_retransmits_of_one_link_blame_the_link_not_one_end() -> None:

@@ -182,12 +182,7 @@ def lossy_run(lab: ProbeSet) -> dict:
                 recs += got
                 if ratio is not None:
                     ratios.append(ratio)
-            snd.expect("sent")
-            assert rcv.expect("got") == str(2 * N)
-            deadline = time.monotonic() + 10
-            while ss_find(client, NS_A).num("bytes_acked") <= 2 * N:
-                assert time.monotonic() < deadline, "transfer never fully acked"
-                time.sleep(0.05)
+            _wait_delivered(snd, rcv, client)
             time.sleep(0.3)  # a last retransmit's tracepoint lands before the poll
             got, lo1, hi1 = _bracketed_poll(lab)
             recs += got
@@ -203,6 +198,17 @@ def lossy_run(lab: ProbeSet) -> dict:
         "proc": (lo0, hi0, lo1, hi1),
         "skipped": skipped,
     }
+
+
+def _wait_delivered(snd: Peer, rcv: Peer, client: str) -> None:
+    """Until the sender is done, the receiver has all ``2 * N`` bytes, and every
+    byte is acked (the last retransmits and ACKs are in)."""
+    snd.expect("sent")
+    assert rcv.expect("got") == str(2 * N)
+    deadline = time.monotonic() + 10
+    while ss_find(client, NS_A).num("bytes_acked") <= 2 * N:
+        assert time.monotonic() < deadline, "transfer never fully acked"
+        time.sleep(0.05)
 
 
 def _retrans(run: dict) -> int:
@@ -312,3 +318,42 @@ def test_with_the_pid_filter_the_job_s_sockets_are_read_by_lookup_and_still_matc
     assert diag["lookups"] >= diag["lookup"] and diag["lookup_fallbacks"] == 0, diag
     assert len(ratios) >= 4, ratios
     assert abs(statistics.median(ratios) - 1.0) <= 0.10, ratios
+
+
+def test_retransmits_of_data_that_arrived_are_counted_as_d_sacked(lab: ProbeSet) -> None:
+    """ACK blackouts: twice, every packet arriving at a (b's ACKs) is dropped for
+    0.4 s while a sends to b. b has all the data, yet a's timers resend it; b
+    reports the duplicates that reach it once ACKs flow again (D-SACK). The
+    flows' `dsack_dups` equal the kernel's own counts, TcpExtTCPDSACKRecvSegs
+    and the socket's `dsack_dups` in `ss -tin`, and their retransmits equal
+    TcpRetransSegs: a late ACK is told apart from a lost packet."""
+    with shaped(DEV_A, NS_A, "100mbit"):
+        rcv = Peer("recv", ADDR_B, str(PORT + 5), str(2 * N), netns=NS_B)
+        snd = None
+        try:
+            rcv.expect("listening")
+            lab.poll()
+            before = {c: nstat(c, NS_A) for c in ("TcpRetransSegs", "TcpExtTCPDSACKRecvSegs")}
+            snd = Peer("send", ADDR_B, str(PORT + 5), str(2 * N), "--cubic", netns=NS_A)
+            client = f"{ADDR_A}:{snd.expect('port')}"
+            recs: list[dict] = []
+            for _ in range(2):
+                time.sleep(0.5)
+                with lossy(DEV_A, NS_A, 1.0):
+                    time.sleep(0.4)
+                recs += lab.poll()
+            _wait_delivered(snd, rcv, client)
+            seen_by_ss = ss_find(client, NS_A).num("dsack_dups")
+            recs += lab.poll()
+            after = {c: nstat(c, NS_A) for c in before}
+        finally:
+            release(snd, rcv)
+    mine = [r for r in recs if r["kind"] == "flow" and r["src"] == client]
+    retrans = sum(r["retrans"] for r in mine)
+    dsack = sum(r.get("dsack_dups", 0) for r in mine)
+    assert dsack > 0, "nothing was D-SACKed: the oracle proves nothing"
+    assert (
+        dsack == seen_by_ss == after["TcpExtTCPDSACKRecvSegs"] - before["TcpExtTCPDSACKRecvSegs"]
+    ), (mine, seen_by_ss, before, after)
+    assert retrans == after["TcpRetransSegs"] - before["TcpRetransSegs"]
+    assert dsack <= retrans

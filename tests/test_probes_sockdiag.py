@@ -14,6 +14,7 @@ import re
 import socket
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,6 +53,7 @@ def test_real_dump_decodes_to_what_ss_printed() -> None:
         assert sk.bytes_received == int(ss.get("bytes_received", 0))
         assert sk.snd_wnd == int(ss["snd_wnd"])
         assert sk.total_retrans == 0 and sk.state == 1
+        assert sk.dsack_dups == int(ss.get("dsack_dups", 0))  # ss prints it when not 0
 
 
 def _message(family: int, src: bytes, dst: bytes, info: bytes, cookie: int = 7) -> bytes:
@@ -81,6 +83,15 @@ def test_v4_mapped_ipv6_folds_to_ipv4_and_old_tcp_info_has_no_snd_wnd() -> None:
     assert (sk.laddr, sk.raddr) == (socket.inet_aton("10.0.0.1"), socket.inet_aton("10.0.0.2"))
     assert (sk.lport, sk.rport, sk.inode, sk.cookie) == (1000, 2000, 42, 7)
     assert (sk.srtt_us, sk.cwnd, sk.total_retrans, sk.snd_wnd) == (1500, 10, 3, None)
+    assert sk.dsack_dups == 0  # a tcp_info before Linux 5.0 has no D-SACK count
+
+
+def test_d_sack_count_is_read_where_the_uapi_puts_it() -> None:
+    info = bytearray(_info(232))
+    struct.pack_into("=I", info, 216, 5)  # tcpi_dsack_dups, after tcpi_bytes_retrans
+    z = socket.inet_aton("10.0.0.1")
+    (sk,), _ = D.parse_dump(_message(socket.AF_INET, z + b"\0" * 12, z + b"\0" * 12, bytes(info)))
+    assert (sk.total_retrans, sk.dsack_dups) == (3, 5)
 
 
 def test_real_ipv6_stays_ipv6_and_a_socket_without_tcp_info_is_skipped() -> None:
@@ -101,22 +112,47 @@ def test_netlink_error_raises_with_its_errno() -> None:
     assert e.value.errno == errno.EPERM
 
 
-def _Sk(cookie: int, total: int) -> D.DiagSocket:  # noqa: N802
+def _Sk(cookie: int, total: int, dsack: int = 0) -> D.DiagSocket:  # noqa: N802
     z = b"\0" * 4
-    return D.DiagSocket(2, z, 1, z, 2, cookie, 0, 0, 1, 0, 0, total, 0, 0, None)
+    return D.DiagSocket(2, z, 1, z, 2, cookie, 0, 0, 1, 0, 0, total, 0, 0, None, dsack_dups=dsack)
+
+
+class _Retrans:
+    """``SockDiag.deltas`` seen as retransmits alone (the D-SACK half has its own test)."""
+
+    def __init__(self, diag: D.SockDiag) -> None:
+        self.diag = diag
+
+    def __call__(self, *a: Any) -> dict[Any, int]:
+        return {k: c.retrans for k, c in self.diag.deltas(*a).items() if c.retrans}
 
 
 def test_retransmit_deltas_baseline_first_read_then_count_new_sockets_whole() -> None:
     diag = D.SockDiag(netns_dir=None)
+    retrans_delta = _Retrans(diag)
     ns, other = (1, 10), (1, 11)
-    assert diag.retrans_delta([(ns, _Sk(1, 5))], {ns}) == {}  # baseline: may predate us
+    assert retrans_delta([(ns, _Sk(1, 5))], {ns}) == {}  # baseline: may predate us
     read = [(ns, _Sk(1, 9)), (ns, _Sk(2, 4)), (other, _Sk(3, 6))]
     # socket 1 moved by 4; socket 2 is new in a namespace read before: all 4
     # count; namespace `other` is read for the first time: its baseline.
-    assert diag.retrans_delta(read, {ns, other}) == {(ns, 1): 4, (ns, 2): 4}
+    assert retrans_delta(read, {ns, other}) == {(ns, 1): 4, (ns, 2): 4}
     # `ns` not read this time: it keeps its figures, nothing is counted twice.
-    assert diag.retrans_delta([(other, _Sk(3, 8))], {other}) == {(other, 3): 2}
-    assert diag.retrans_delta([(ns, _Sk(1, 9)), (ns, _Sk(2, 5))], {ns}) == {(ns, 2): 1}
+    assert retrans_delta([(other, _Sk(3, 8))], {other}) == {(other, 3): 2}
+    assert retrans_delta([(ns, _Sk(1, 9)), (ns, _Sk(2, 5))], {ns}) == {(ns, 2): 1}
+
+
+def test_d_sack_deltas_ride_with_the_retransmits_and_count_alone_too() -> None:
+    """A socket's D-SACKed segments rise with, or after, its retransmits (the
+    report comes an RTT later), or alone (a duplicate the network made)."""
+    diag = D.SockDiag(netns_dir=None)
+    ns = (1, 10)
+    assert diag.deltas([(ns, _Sk(1, 5, 2))], {ns}) == {}  # baseline
+    assert diag.deltas([(ns, _Sk(1, 9, 2))], {ns}) == {(ns, 1): D.Counts(4, 0)}
+    assert diag.deltas([(ns, _Sk(1, 9, 5))], {ns}) == {(ns, 1): D.Counts(0, 3)}
+    assert diag.deltas([(ns, _Sk(1, 9, 5))], {ns}) == {}
+    # new sockets count whole, destroyed ones up to their final figures
+    got = diag.deltas([(ns, _Sk(2, 3, 3))], {ns}, [(ns, _Sk(1, 10, 7))])
+    assert got == {(ns, 1): D.Counts(1, 2), (ns, 2): D.Counts(3, 3)}
 
 
 def test_socket_owner_scans_only_the_given_pids_once_per_poll(tmp_path: Path) -> None:
@@ -136,27 +172,29 @@ def test_socket_owner_scans_only_the_given_pids_once_per_poll(tmp_path: Path) ->
 
 def test_destroyed_sockets_count_their_last_retransmits_once() -> None:
     diag = D.SockDiag(netns_dir=None)
+    retrans_delta = _Retrans(diag)
     ns = (1, 10)
-    assert diag.retrans_delta([(ns, _Sk(1, 5)), (ns, _Sk(2, 1))], {ns}, []) == {}  # baseline
+    assert retrans_delta([(ns, _Sk(1, 5)), (ns, _Sk(2, 1))], {ns}, []) == {}  # baseline
     # socket 1 closed after retransmitting 2 more; socket 9 was born and died
     # between two reads (never dumped): all its retransmits count.
-    got = diag.retrans_delta([(ns, _Sk(2, 1))], {ns}, [(ns, _Sk(1, 7)), (ns, _Sk(9, 3))])
+    got = retrans_delta([(ns, _Sk(2, 1))], {ns}, [(ns, _Sk(1, 7)), (ns, _Sk(9, 3))])
     assert got == {(ns, 1): 2, (ns, 9): 3}
     # socket 2 left the dump at this read (closing); its destroy message comes
     # one read later and counts from the figure it had, not from zero.
-    assert diag.retrans_delta([], {ns}, []) == {}
-    assert diag.retrans_delta([], {ns}, [(ns, _Sk(2, 4))]) == {(ns, 2): 3}
+    assert retrans_delta([], {ns}, []) == {}
+    assert retrans_delta([], {ns}, [(ns, _Sk(2, 4))]) == {(ns, 2): 3}
     # freed after the dump of the same read: in both, counted once, up to the final figure
-    assert diag.retrans_delta([(ns, _Sk(5, 2))], {ns}, []) == {(ns, 5): 2}
-    assert diag.retrans_delta([(ns, _Sk(5, 3))], {ns}, [(ns, _Sk(5, 4))]) == {(ns, 5): 2}
-    assert diag.retrans_delta([], {ns}, [(ns, _Sk(5, 4))]) == {(ns, 5): 4}  # a later copy: new
+    assert retrans_delta([(ns, _Sk(5, 2))], {ns}, []) == {(ns, 5): 2}
+    assert retrans_delta([(ns, _Sk(5, 3))], {ns}, [(ns, _Sk(5, 4))]) == {(ns, 5): 2}
+    assert retrans_delta([], {ns}, [(ns, _Sk(5, 4))]) == {(ns, 5): 4}  # a later copy: new
 
 
 def test_destroyed_sockets_of_a_namespace_first_read_are_its_baseline() -> None:
     diag = D.SockDiag(netns_dir=None)
+    retrans_delta = _Retrans(diag)
     ns = (1, 10)
-    assert diag.retrans_delta([(ns, _Sk(1, 5))], {ns}, [(ns, _Sk(3, 9))]) == {}
-    assert diag.retrans_delta([(ns, _Sk(1, 6))], {ns}, []) == {(ns, 1): 1}
+    assert retrans_delta([(ns, _Sk(1, 5))], {ns}, [(ns, _Sk(3, 9))]) == {}
+    assert retrans_delta([(ns, _Sk(1, 6))], {ns}, []) == {(ns, 1): 1}
 
 
 def test_destroy_listener_drain_decodes_every_queued_message() -> None:
