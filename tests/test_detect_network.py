@@ -298,3 +298,30 @@ def test_a_pair_is_loopback_only_while_every_sample_came_from_a_loopback_address
     # The same pair reached over a routed address too: no longer loopback only.
     assert corr.add_flow(flow(3.0, "198.18.0.1:40001", "127.0.0.2:29500")) == (0, 1)
     assert [p.loopback for p in corr.flow_matrix(3.0)] == [False]
+
+
+def test_a_throttled_rank_draws_retransmits_that_localise_only_if_d_sacks_are_ignored() -> None:
+    """The lab's slow-compute capture with D-SACKs recorded (lab-slow-compute-dsack:
+    270 of its 271 retransmits D-SACKed): as recorded, the retransmits point at
+    no rank; with `dsack_dups` stripped (what a trace without them would say),
+    they point at the throttled rank, the case a CI run flagged `network`."""
+    from pathlib import Path
+
+    from fsdp_sentinel import trace
+
+    path = Path(__file__).parent / "traces" / "lab-slow-compute-dsack.jsonl.zst"
+    recs = [r for r in trace.read_trace(path) if r["kind"] not in ("verdict", "action")]
+    assert sum(r.get("dsack_dups", 0) for r in recs if r["kind"] == "flow") > 200
+
+    def shares(records: list[dict]) -> list[float]:
+        pipe, out = Pipeline(), []
+        for rec in records:
+            pipe.feed(rec)
+            rep = pipe.last_report
+            if rep is not None and rec["kind"] == "step":
+                out += [s.retrans_share for s in rep.scores if s.rank == 2 and s.retrans_share]
+        return out
+
+    assert shares(recs) == []
+    stripped = [{k: v for k, v in r.items() if k != "dsack_dups"} for r in recs]
+    assert max(shares(stripped)) >= DetectConfig().network.retrans_share
