@@ -262,6 +262,12 @@ def _network_families(
     retrans = _counter(
         "retransmits_total", "TCP segments the rank's flows retransmitted.", RANK_LABELS
     )
+    spurious = _counter(
+        "retransmits_spurious_total",
+        "Of the rank's retransmits, segments the receiver reported it already had "
+        "(D-SACK): late ACKs, not losses.",
+        RANK_LABELS,
+    )
     net = _counter(
         "network_bytes_total",
         "TCP payload bytes the rank's flows sent (tx) and received (rx).",
@@ -273,9 +279,10 @@ def _network_families(
         if r.srtt_us is not None:
             srtt.add_metric(lab, r.srtt_us / 1e6)
         retrans.add_metric(lab, float(r.retrans_total))
+        spurious.add_metric(lab, float(r.retrans_spurious_total))
         net.add_metric([*lab, "tx"], float(r.tx_bytes_total))
         net.add_metric([*lab, "rx"], float(r.rx_bytes_total))
-    yield from (srtt, retrans, net)
+    yield from (srtt, retrans, spurious, net)
 
     peer_labels = [*RANK_LABELS, "peer_rank"]
     flow_bytes = _counter(
@@ -293,6 +300,11 @@ def _network_families(
     flow_retrans = _counter(
         "flow_retransmits_total", "Segments rank retransmitted to a peer.", peer_labels
     )
+    flow_spurious = _counter(
+        "flow_retransmits_spurious_total",
+        "Of those, segments the peer reported it already had (D-SACK).",
+        peer_labels,
+    )
     rank_job = _rank_jobs(labels)
     for p in sorted(snap.peers, key=lambda p: (p.job, p.rank, p.peer_rank)):
         job = p.job or rank_job.get(p.rank, "")
@@ -302,7 +314,8 @@ def _network_families(
         if p.srtt_us is not None:
             flow_srtt.add_metric(lab, p.srtt_us / 1e6)
         flow_retrans.add_metric(lab, float(p.retrans_total))
-    yield from (flow_bytes, flow_srtt, flow_retrans)
+        flow_spurious.add_metric(lab, float(p.retrans_spurious_total))
+    yield from (flow_bytes, flow_srtt, flow_retrans, flow_spurious)
 
 
 def _rank_jobs(labels: dict[tuple[str, int], list[str]]) -> dict[int | None, str]:

@@ -211,6 +211,7 @@ def fold_ranks(snap: Any, max_ranks: int = MAX_RANK_SERIES) -> tuple[Any, int]:
         tx_bytes_total=sum(r.tx_bytes_total for r in rest),
         rx_bytes_total=sum(r.rx_bytes_total for r in rest),
         retrans_total=sum(r.retrans_total for r in rest),
+        retrans_spurious_total=sum(r.retrans_spurious_total for r in rest),
         step_buckets=_sum_buckets(r.step_buckets for r in rest),
         coll_count_total=_sum_dicts(r.coll_count_total for r in rest),
         coll_bytes_total=_sum_dicts(r.coll_bytes_total for r in rest),
@@ -227,6 +228,7 @@ def fold_ranks(snap: Any, max_ranks: int = MAX_RANK_SERIES) -> tuple[Any, int]:
             tx_bytes_total=sum(p.tx_bytes_total for p in gone),
             rx_bytes_total=sum(p.rx_bytes_total for p in gone),
             retrans_total=sum(p.retrans_total for p in gone),
+            retrans_spurious_total=sum(p.retrans_spurious_total for p in gone),
         ))  # fmt: skip
     nccl = [n for n in snap.nccl if n.rank is None or kept_view(n.job, n.rank)]
     by_op: dict[str, Any] = {}

@@ -606,6 +606,7 @@ class _Pair:
         "tx_total",
         "rx_total",
         "retrans_total",
+        "dsack_total",
         "srtt_us",
         "tx_rate",
         "rx_rate",
@@ -620,6 +621,7 @@ class _Pair:
         self.tx_total = 0
         self.rx_total = 0
         self.retrans_total = 0
+        self.dsack_total = 0  # of them, D-SACKed: spurious
         self.srtt_us: float | None = None
         self.tx_rate: float | None = None
         self.rx_rate: float | None = None
@@ -1271,9 +1273,8 @@ class Correlator:
         retrans = int(rec.get("retrans") or 0)
         t = float(rec["t"])
         samples = pair.samples
-        samples.append(
-            (t, dt, tx, rx, srtt, retrans, rec.get("cwnd"), int(rec.get("dsack_dups") or 0))
-        )
+        dsack = int(rec.get("dsack_dups") or 0)
+        samples.append((t, dt, tx, rx, srtt, retrans, rec.get("cwnd"), dsack))
         if t > pair.last_t:
             pair.last_t = t
         self.flow_dt = dt
@@ -1285,6 +1286,7 @@ class Correlator:
         pair.tx_total += tx
         pair.rx_total += rx
         pair.retrans_total += retrans
+        pair.dsack_total += dsack
         if pair.loopback and not loopback_endpoint(rec["src"]):
             pair.loopback = False
         if srtt is not None:

@@ -300,6 +300,7 @@ class Pipeline:
                     rx_bytes_total=pair.rx_total,
                     srtt_us=pair.srtt_us,
                     retrans_total=pair.retrans_total,
+                    retrans_spurious_total=pair.dsack_total,
                     job=corr.ranks[a].job if a in corr.ranks else "",
                 )
             )
@@ -341,6 +342,7 @@ class Pipeline:
                     rx_rate=sum(rx_rates) if rx_rates else None,
                     srtt_us=srtt,
                     retrans_total=sum(p.retrans_total for p in pairs),
+                    retrans_spurious_total=sum(p.dsack_total for p in pairs),
                     state=state,
                     cause=verdict["cause"] if verdict else None,
                     score=verdict["score"] if verdict else None,

@@ -51,6 +51,9 @@ class RankView:
     rx_rate: float | None = None
     srtt_us: float | None = None
     retrans_total: int = 0
+    #: of ``retrans_total``, segments the receivers reported they already had
+    #: (D-SACK): spurious retransmits (late ACKs), not losses
+    retrans_spurious_total: int = 0
     state: str = "ok"
     cause: str | None = None
     score: float | None = None
@@ -75,6 +78,7 @@ class PeerView:
     rx_bytes_total: int = 0
     srtt_us: float | None = None
     retrans_total: int = 0
+    retrans_spurious_total: int = 0  # of them, D-SACKed (RankView's)
     job: str = ""
 
 

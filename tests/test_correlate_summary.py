@@ -147,7 +147,7 @@ def test_flows_are_attributed_by_addresses_in_a_lab() -> None:
     assert pf.srtt_us == pytest.approx((2000 * 1000 + 4000 * 3000 + 4000 * 1) / 4001)
     # Older than the window: gone from the matrix, kept in the totals.
     assert c.flow_matrix(now=20.0) == ()
-    assert c.pairs[(0, 1)].tx_total == 4000
+    assert (c.pairs[(0, 1)].tx_total, c.pairs[(0, 1)].dsack_total) == (4000, 1)
 
 
 def test_flows_on_one_shared_address_are_attributed_by_endpoint() -> None:

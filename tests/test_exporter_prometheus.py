@@ -56,6 +56,7 @@ SNAP = Snapshot(
             rx_bytes_total=7_000,
             srtt_us=3500.0,
             retrans_total=4,
+            retrans_spurious_total=3,
             state="flagged",
             cause="network",
             score=3.25,
@@ -69,7 +70,14 @@ SNAP = Snapshot(
     ),
     peers=(
         PeerView(rank=0, peer_rank=1, tx_bytes_total=100, rx_bytes_total=200, srtt_us=2000.0),
-        PeerView(rank=1, peer_rank=0, tx_bytes_total=300, rx_bytes_total=400, retrans_total=2),
+        PeerView(
+            rank=1,
+            peer_rank=0,
+            tx_bytes_total=300,
+            rx_bytes_total=400,
+            retrans_total=2,
+            retrans_spurious_total=1,
+        ),
     ),
     verdicts_total={"network": 1},
     records_total={"step": 36, "coll": 108},
@@ -131,6 +139,8 @@ EXPECTED = [
     ("fsdp_sentinel_srtt_seconds", H1, 0.0035),
     ("fsdp_sentinel_retransmits_total", H0, 0.0),
     ("fsdp_sentinel_retransmits_total", H1, 4.0),
+    ("fsdp_sentinel_retransmits_spurious_total", H0, 0.0),
+    ("fsdp_sentinel_retransmits_spurious_total", H1, 3.0),
     ("fsdp_sentinel_network_bytes_total", {**H0, "direction": "tx"}, 0.0),
     ("fsdp_sentinel_network_bytes_total", {**H0, "direction": "rx"}, 0.0),
     ("fsdp_sentinel_network_bytes_total", {**H1, "direction": "tx"}, 5000.0),
@@ -142,6 +152,8 @@ EXPECTED = [
     ("fsdp_sentinel_flow_srtt_seconds", {**H0, "peer_rank": "1"}, 0.002),
     ("fsdp_sentinel_flow_retransmits_total", {**H0, "peer_rank": "1"}, 0.0),
     ("fsdp_sentinel_flow_retransmits_total", {**H1, "peer_rank": "0"}, 2.0),
+    ("fsdp_sentinel_flow_retransmits_spurious_total", {**H0, "peer_rank": "1"}, 0.0),
+    ("fsdp_sentinel_flow_retransmits_spurious_total", {**H1, "peer_rank": "0"}, 1.0),
     *[
         (
             "fsdp_sentinel_rdma_port_bytes_total",
