@@ -834,9 +834,10 @@ class ProbeSet:
         read: list[tuple[tuple[int, int], DiagSocket]],
     ) -> None:
         """srtt, cwnd and the send window now, and the retransmitted segments
-        (and those the peer reported as duplicates: D-SACK) since the last poll, from the kernel's tcp_info (probes/sockdiag.py);
-        sockets destroyed since the last poll add their last retransmits
-        (the destroy broadcast), and carry no srtt. A connection that only
+        (and those the peer reported as duplicates: D-SACK) since the last
+        poll, from the kernel's tcp_info (probes/sockdiag.py); sockets
+        destroyed since the last poll add their last counts (the destroy
+        broadcast), and carry no srtt. A connection that only
         retransmitted goes to the process that moved its bytes, else the one
         it went to at an earlier poll, else the one the kernel saw open it,
         else the registered process holding its inode."""
