@@ -29,17 +29,17 @@ import math
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from itertools import islice, repeat
 from operator import add, gt, itemgetter, le, sub
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from fsdp_sentinel import buckets
-from fsdp_sentinel.rankstep import RankStep, StepRanks
+from fsdp_sentinel.rankstep import RankStep, Rows, StepRanks
 from fsdp_sentinel.trace import KEY
 
 _WAIT_BOUNDS = buckets.COLLECTIVE_WAIT_BOUNDS
@@ -123,7 +123,7 @@ class RankLiveness(NamedTuple):
     pending_t: float = 0.0
 
 
-class LivenessColumns(Sequence[RankLiveness]):
+class LivenessColumns(Rows[RankLiveness]):
     """Every rank's :class:`RankLiveness` as columns, in rank order (a job of
     thousands of ranks: ``detect.lost`` screens them with array operations and
     reads a RankLiveness only for the few it must judge). Dense figures are
@@ -172,15 +172,7 @@ class LivenessColumns(Sequence[RankLiveness]):
         i = int(np.searchsorted(self.rank, rank))
         return i if i < len(self.rank) and self.rank[i] == rank else None
 
-    @overload
-    def __getitem__(self, i: int) -> RankLiveness: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[RankLiveness]: ...
-
-    def __getitem__(self, i: int | slice) -> RankLiveness | Sequence[RankLiveness]:
-        if isinstance(i, slice):
-            return tuple(self)[i]
+    def _row(self, i: int) -> RankLiveness:
         r = int(self.rank[i])
         torn_peers, torn_t = self.torn.get(r, (0, None))
         return RankLiveness(
@@ -195,9 +187,6 @@ class LivenessColumns(Sequence[RankLiveness]):
             self.reset.get(r, 0),
             float(self.pending_t[i]),
         )
-
-    def __iter__(self) -> Iterator[RankLiveness]:
-        return (self[i] for i in range(len(self.rank)))
 
     def without(self, ranks: frozenset[int]) -> LivenessColumns:
         """The columns of every rank but ``ranks``."""

@@ -11,13 +11,16 @@ a time, on demand), so every reader of a summary's ranks takes either form.
 
 Missing figures (``step_s`` and ``compute_s`` of a rank whose step record
 was lost) are NaN in the columns and None in a RankStep.
+
+:class:`Rows` is what every such columns-as-rows form shares (this one, and
+the liveness and score columns of ``correlate`` and ``detect.state``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 
@@ -46,11 +49,51 @@ class RankStep(NamedTuple):
     n_coll: int
 
 
-def _none_if_nan(x: float) -> float | None:
+def none_if_nan(x: float) -> float | None:
+    """A column's NaN as a row's None: the figure was missing."""
     return None if x != x else x
 
 
-class StepRanks(Sequence[RankStep]):
+T = TypeVar("T")
+
+
+class Rows(Sequence[T]):
+    """A sequence of rows (tuples) kept as columns, each row made on demand.
+
+    A subclass gives ``__len__`` and ``_row(i)`` (and a faster ``__iter__``
+    where it has one); indexing, slices, iteration and equality follow.
+    Equality is a tuple's of the same rows, so the columns compare equal to
+    the tuple of rows the scalar path would have made (and, like it, are not
+    hashable)."""
+
+    __slots__ = ()
+
+    def _row(self, i: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | Sequence[T]:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        return self._row(i)
+
+    def __iter__(self) -> Iterator[T]:
+        return map(self._row, range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class StepRanks(Rows[RankStep]):
     """A step's :class:`RankStep`\\ s as columns, in ascending rank order.
 
     Each attribute is a 1-d numpy array with one entry per rank: ``rank``,
@@ -116,20 +159,12 @@ class StepRanks(Sequence[RankStep]):
     def __len__(self) -> int:
         return len(self.rank)
 
-    @overload
-    def __getitem__(self, i: int) -> RankStep: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[RankStep]: ...
-
-    def __getitem__(self, i: int | slice) -> RankStep | Sequence[RankStep]:
-        if isinstance(i, slice):
-            return tuple(self)[i]
+    def _row(self, i: int) -> RankStep:
         return RankStep(
             int(self.rank[i]),
-            _none_if_nan(float(self.step_s[i])),
+            none_if_nan(float(self.step_s[i])),
             float(self.wait_s[i]),
-            _none_if_nan(float(self.compute_s[i])),
+            none_if_nan(float(self.compute_s[i])),
             float(self.late_s[i]),
             float(self.last_frac[i]),
             int(self.matched[i]),
@@ -139,22 +174,15 @@ class StepRanks(Sequence[RankStep]):
     def __iter__(self) -> Iterator[RankStep]:
         cols = (
             self.rank.tolist(),
-            [_none_if_nan(x) for x in self.step_s.tolist()],
+            [none_if_nan(x) for x in self.step_s.tolist()],
             self.wait_s.tolist(),
-            [_none_if_nan(x) for x in self.compute_s.tolist()],
+            [none_if_nan(x) for x in self.compute_s.tolist()],
             self.late_s.tolist(),
             self.last_frac.tolist(),
             self.matched.tolist(),
             self.n_coll.tolist(),
         )
         return map(RankStep._make, zip(*cols, strict=True))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
-            return NotImplemented
-        return tuple(self) == tuple(other)
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"StepRanks({len(self)} ranks)"

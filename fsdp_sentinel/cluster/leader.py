@@ -42,7 +42,7 @@ from fsdp_sentinel.correlate import (
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.fabric import FabricTotals
 from fsdp_sentinel.pipeline import Pipeline
-from fsdp_sentinel.rankstep import StepRanks
+from fsdp_sentinel.rankstep import StepRanks, none_if_nan
 from fsdp_sentinel.trace import record_time
 
 Record = dict[str, Any]
@@ -156,25 +156,24 @@ class LeaderCorrelator(Correlator):
             self.late_records += sum(sum(d.n_coll) for d in self.digests.pop(old))
         out = rank_steps(digests)
         ranks = self.ranks
+        rows: Iterable[tuple[int, float | None, float, Any]]
         if isinstance(out, StepRanks):  # a big step: no RankStep made per rank
-            times = [None if x != x else x for x in out.step_s.tolist()]  # NaN: no step record
-            rows = zip(out.rank.tolist(), times, out.wait_s.tolist(), strict=True)
-            for k, (r, st, w) in enumerate(rows):
-                rs = ranks[r]
-                rs.last = (out, k)
-                if st is not None:
-                    rs.steps_total += 1
-                    rs.step_seconds_total += st
-                    rs.wait_seconds_total += min(w, st)
-            return self._summary(now, step, out)
-        for r in out:
-            rs = ranks[r.rank]
-            rs.last = r
-            st = r.step_s
+            rows = zip(
+                out.rank.tolist(),
+                map(none_if_nan, out.step_s.tolist()),  # NaN: no step record
+                out.wait_s.tolist(),
+                ((out, k) for k in range(len(out))),  # read as a RankStep when asked
+                strict=True,
+            )
+        else:
+            rows = ((r.rank, r.step_s, r.wait_s, r) for r in out)
+        for r, st, w, last in rows:
+            rs = ranks[r]
+            rs.last = last
             if st is not None:
                 rs.steps_total += 1
                 rs.step_seconds_total += st
-                rs.wait_seconds_total += min(r.wait_s, st)
+                rs.wait_seconds_total += min(w, st)
         return self._summary(now, step, out)
 
     def newest_seq(self, rs: Any) -> int:

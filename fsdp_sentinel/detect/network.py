@@ -80,7 +80,7 @@ def lost(p: PairFlow | Flow) -> int:
 
 def _lost_in(sample: tuple[Any, ...]) -> int:
     """:func:`lost` of one window sample (``PairFlow.samples``)."""
-    return max(0, (sample[5] or 0) - (sample[7] if len(sample) > 7 else 0))
+    return max(0, sample[5] - sample[7])
 
 
 def busy_median(samples: list[tuple[float, int]]) -> float:

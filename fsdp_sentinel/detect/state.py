@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from fsdp_sentinel.rankstep import Rows, none_if_nan
 from fsdp_sentinel.trace import Verdict
 
 #: Every cause a verdict can name.
@@ -329,11 +330,7 @@ class Report(NamedTuple):
     state: DetectState
 
 
-def _opt(x: float) -> float | None:
-    return None if x != x else x
-
-
-class ScoreColumns(Sequence[RankScore]):
+class ScoreColumns(Rows[RankScore]):
     """A report's scores at thousands of ranks: columns for the ranks judged at
     once (``detect.columnar``), whose candidate is None and state ``ok``, and the
     :class:`RankScore` of each rank judged one at a time (``special``). A
@@ -370,37 +367,22 @@ class ScoreColumns(Sequence[RankScore]):
             return hit
         return RankScore(
             rank,
-            _opt(rel),
-            _opt(ind),
+            none_if_nan(rel),
+            none_if_nan(ind),
             self._ratio.get(rank),
             self._share.get(rank),
-            _opt(late),
-            _opt(comp),
+            none_if_nan(late),
+            none_if_nan(comp),
             wait,
-            _opt(frac),
+            none_if_nan(frac),
             None,
             "ok",
             None,
         )
 
-    @overload
-    def __getitem__(self, i: int) -> RankScore: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[RankScore]: ...
-
-    def __getitem__(self, i: int | slice) -> RankScore | Sequence[RankScore]:
-        if isinstance(i, slice):
-            return tuple(self)[i]
+    def _row(self, i: int) -> RankScore:
         return self._make(int(self.ranks[i]), *(float(c[i]) for c in self._cols))
 
     def __iter__(self) -> Iterator[RankScore]:
         lists = [c.tolist() for c in self._cols]
         return (self._make(*row) for row in zip(self.ranks.tolist(), *lists, strict=True))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
-            return NotImplemented
-        return tuple(self) == tuple(other)
-
-    __hash__ = None  # type: ignore[assignment]
