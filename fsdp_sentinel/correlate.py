@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fsdp_sentinel import buckets
-from fsdp_sentinel.rankstep import RankStep, Rows, StepRanks
+from fsdp_sentinel.rankstep import RankStep, Rows, StepRanks, row_of
 from fsdp_sentinel.trace import KEY
 
 _WAIT_BOUNDS = buckets.COLLECTIVE_WAIT_BOUNDS
@@ -169,8 +169,7 @@ class LivenessColumns(Rows[RankLiveness]):
         return len(self.rank)
 
     def row_of(self, rank: int) -> int | None:
-        i = int(np.searchsorted(self.rank, rank))
-        return i if i < len(self.rank) and self.rank[i] == rank else None
+        return row_of(self.rank, rank)
 
     def _row(self, i: int) -> RankLiveness:
         r = int(self.rank[i])

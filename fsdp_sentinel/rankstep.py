@@ -54,6 +54,12 @@ def none_if_nan(x: float) -> float | None:
     return None if x != x else x
 
 
+def row_of(ranks: np.ndarray, rank: int) -> int | None:
+    """Where ``rank`` sits in ascending ``ranks`` (None when it is not there)."""
+    i = int(np.searchsorted(ranks, rank))
+    return i if i < len(ranks) and ranks[i] == rank else None
+
+
 T = TypeVar("T")
 
 

@@ -145,8 +145,7 @@ def _heard_again(live: Sequence[RankLiveness], lost: dict[int, float]) -> list[R
     if not lost:
         return []
     if isinstance(live, LivenessColumns):
-        rows = [(r, live.row_of(r)) for r in sorted(lost)]
-        picked = [live[i] for _, i in rows if i is not None]
+        picked = [live[i] for r in sorted(lost) if (i := live.row_of(r)) is not None]
     else:
         picked = [lv for lv in live if lv.rank in lost]
     return [lv for lv in picked if lv.last_t > lost[lv.rank]]

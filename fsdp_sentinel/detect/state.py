@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fsdp_sentinel.rankstep import Rows, none_if_nan
+from fsdp_sentinel.rankstep import Rows, none_if_nan, row_of
 from fsdp_sentinel.trace import Verdict
 
 #: Every cause a verdict can name.
@@ -138,8 +138,7 @@ class TrackColumns:
         return len(self.ranks)
 
     def slot(self, rank: int) -> int | None:
-        i = int(np.searchsorted(self.ranks, rank))
-        return i if i < len(self.ranks) and self.ranks[i] == rank else None
+        return row_of(self.ranks, rank)
 
     def row(self, i: int) -> RankTrack:
         """Row ``i`` as a :class:`RankTrack` (the very tuples the scalar path keeps)."""
