@@ -552,9 +552,9 @@ class SockDiag:
             for cookie, (r, d) in {**socks, **freed}.items():
                 r_now, d_now = socks.get(cookie, zero)
                 r0, d0 = prev.get(cookie, zero)
-                rose = Counts(max(r, r_now) - r0, max(d, d_now) - d0)
-                if rose.retrans > 0 or rose.dsack_dups > 0:
-                    out[(ns, cookie)] = Counts(max(rose.retrans, 0), max(rose.dsack_dups, 0))
+                dr, dd = max(r, r_now) - r0, max(d, d_now) - d0
+                if dr > 0 or dd > 0:
+                    out[(ns, cookie)] = Counts(max(dr, 0), max(dd, 0))
             ages = self._vanished.setdefault(ns, {})
             nxt = {c: t for c, t in socks.items() if c not in freed}
             for cookie, total in prev.items():
