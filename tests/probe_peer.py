@@ -4,7 +4,7 @@ byte count. Talks to the test over stdin/stdout, one line per step.
 
   probe_peer.py recv ADDR PORT N       accept, read N bytes, "got N", wait, close
   probe_peer.py send ADDR PORT N [--linger0] [--die]
-                                       connect, "port P", send N, "sent N", wait,
+                                       connect, "port P", send N (1 MiB writes), "sent N", wait,
                                        close (--linger0: with RST; --die: exit at once)
   probe_peer.py sink ADDR PORT         accept, read until EOF
   probe_peer.py stream ADDR PORT [--cubic]
@@ -21,6 +21,8 @@ import socket
 import struct
 import sys
 import threading
+
+SEND_CHUNK = 1 << 20  # bytes per write of `send` (see main)
 
 
 def say(text: str) -> None:
@@ -98,7 +100,13 @@ def main(argv: list[str]) -> int:
         c.close()
         return 0
     n = int(argv[3])
-    c.sendall(b"x" * n)
+    # In bounded writes, as gloo's and NCCL's transports write: the probes
+    # count a send when its call returns, and one blocking sendall of the
+    # whole payload returns only when the last byte is queued, so every poll
+    # before that would see the busy sender move nothing.
+    data = memoryview(b"x" * n)
+    for off in range(0, n, SEND_CHUNK):
+        c.sendall(data[off : off + SEND_CHUNK])
     say(f"sent {n}")
     sys.stdin.readline()
     if "--linger0" in argv:
