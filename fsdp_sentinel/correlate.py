@@ -33,13 +33,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from itertools import islice, repeat
-from operator import add, gt, itemgetter, le, sub
+from operator import add, attrgetter, gt, itemgetter, le, sub
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from fsdp_sentinel import buckets
 from fsdp_sentinel.rankstep import RankStep, Rows, StepRanks, row_of
+from fsdp_sentinel.ranktotals import RankTotals
 from fsdp_sentinel.trace import KEY
 
 _WAIT_BOUNDS = buckets.COLLECTIVE_WAIT_BOUNDS
@@ -744,8 +745,25 @@ _blocked = blocked_s
 
 #: A coll record without a ``group`` field, as :class:`StepColumns` files its group.
 _NO_GROUP = object()
+
+#: What a big job's ``coll`` record is filed as under its rank (``_Rank.colls``):
+#: the record itself is in its step's :class:`StepColumns` and is not kept.
+#: Read the records back with :meth:`StepColumns.records`.
+_FILED: Any = object()
+
+
+def _fill(lst: list[Any], recs: Sequence[Record]) -> None:
+    """Replace each :data:`_FILED` in ``lst``, in order, with the next of ``recs``."""
+    it = iter(recs)
+    for j, c in enumerate(lst):
+        if c is _FILED:
+            lst[j] = next(it)
+
+
 _RANK_OF, _SEQ_OF = itemgetter(KEY["rank"]), itemgetter(KEY["seq"])
 _ISSUE_OF, _END_OF, _BYTES_OF = itemgetter(KEY["issue"]), itemgetter(_END), itemgetter(KEY["bytes"])
+_START_OF, _RANK_ATTR = itemgetter(_START), attrgetter("rank")
+F64 = np.float64
 
 
 class StepColumns:
@@ -762,9 +780,20 @@ class StepColumns:
     names no group). ``ok`` turns false for good when a record's field does
     not fit its column (never for a record the trace format let through):
     then the step is summarised from the records.
+
+    The records themselves are not kept: each is filed under its rank as
+    :data:`_FILED` and freed with the batch it came in, while still in the
+    cache. Kept until the summary, a step's records were freed there cold
+    (a 4,096-rank replay spent 11 % of its time on that alone), and the step
+    summary reads only the columns. The rare reader that needs records (the
+    per-rank summary of an unusual step, the stall view's newest ``seq``)
+    gets them back from :meth:`records`: every field the summary reads, as
+    the record had it. A step whose columns stop taking its records (a field
+    unfit for its column, or a rank's step evicted) has them rebuilt at once
+    and keeps records from then on (``Correlator._materialize``).
     """
 
-    __slots__ = ("rank", "seq", "issue", "end", "nbytes", "op", "group", "names", "ok")
+    __slots__ = ("rank", "seq", "issue", "end", "nbytes", "op", "group", "names", "ok", "_tops")
 
     def __init__(self) -> None:
         self.rank = array("q")
@@ -778,15 +807,18 @@ class StepColumns:
         self.names: defaultdict[Any, int] = defaultdict()
         self.names.default_factory = self.names.__len__
         self.ok = True
+        self._tops: dict[int, int] | None = None  # top_seqs, until more is filed
 
     def __len__(self) -> int:
         return len(self.rank)
 
-    def extend(self, recs: Sequence[Record]) -> None:
-        """File ``recs`` (records already filed under their ranks, all of this step)."""
+    def extend(self, recs: Sequence[Record]) -> bool:
+        """File ``recs`` (records already filed under their ranks, all of this step);
+        False when the columns do not take them (then they hold what they held)."""
         if not self.ok:
-            return
+            return False
         intern = self.names.__getitem__
+        before = len(self.rank)
         try:
             self.rank.extend(map(_RANK_OF, recs))
             self.seq.extend(map(_SEQ_OF, recs))
@@ -796,7 +828,49 @@ class StepColumns:
             self.op.extend(map(intern, map(dict.get, recs, repeat(_OP))))
             self.group.extend(map(intern, map(dict.get, recs, repeat(_GROUP), repeat(_NO_GROUP))))
         except (KeyError, TypeError, ValueError, OverflowError):
+            for col in self._cols():
+                del col[before:]
             self.ok = False  # the columns no longer line up: the records say it all
+            return False
+        self._tops = None
+        return True
+
+    def _cols(self) -> tuple[array, ...]:  # type: ignore[type-arg]
+        return (self.rank, self.seq, self.issue, self.end, self.nbytes, self.op, self.group)
+
+    def records(self, step: Any) -> dict[int, list[Record]]:
+        """Each rank's records rebuilt from the columns, in filing order: every
+        field the summary reads, as the trace format's record had it."""
+        names = list(self.names)  # index -> value
+        out: dict[int, list[Record]] = {}
+        for r, q, t0, t1, b, o, g in zip(*self._cols(), strict=True):
+            rec = {"kind": "coll", "rank": r, "step": step, "seq": q, "op": names[o],
+                   "bytes": b, "issue": t0, "end": t1}  # fmt: skip
+            group = names[g]
+            if group is not _NO_GROUP:
+                rec["group"] = group
+            lst = out.get(r)
+            if lst is None:
+                out[r] = [rec]
+            else:
+                lst.append(rec)
+        return out
+
+    def drop(self) -> None:
+        """Hold nothing more (the step's records are kept as records)."""
+        for col in self._cols():
+            del col[:]
+        self.ok = False
+
+    def top_seqs(self) -> dict[int, int]:
+        """Each rank's newest ``seq`` in the columns."""
+        if self._tops is None:
+            tops: dict[int, int] = {}
+            for r, q in zip(self.rank, self.seq, strict=True):
+                if q > tops.get(r, -1):
+                    tops[r] = q
+            self._tops = tops
+        return self._tops
 
 
 class Correlator:
@@ -848,6 +922,9 @@ class Correlator:
         # host -> [when its own probe records last arrived, their interval]
         self.hosts_heard: dict[str, list[float]] = {}
         self._pending_ranks: set[int] = set()  # ranks with pending records filed
+        # A big job's per-rank totals as columns, the truth while held (see
+        # fsdp_sentinel.ranktotals): each rank's own fields are then a copy.
+        self._totals: RankTotals | None = None
         self._colls_cap = self.limits.max_colls_per_step  # read per coll record
 
     # ------------------------------------------------------------ per record
@@ -870,6 +947,8 @@ class Correlator:
 
     def forget_rank(self, rank: int) -> None:
         """Drop everything kept about ``rank`` (evicted), but what others say of it."""
+        if rank in self.ranks:
+            self._fold_totals()
         rs = self.ranks.pop(rank, None)
         self._idle.pop(rank, None)
         if rs is None:
@@ -986,7 +1065,8 @@ class Correlator:
         """File a ``coll`` record under its rank and step; return its ``end``.
 
         The hot path of the whole pipeline (most records are ``coll``): the
-        record itself is filed, not a copy, and only ``end`` (the clock) and
+        record itself is filed, not a copy (in a big job, into its step's
+        :class:`StepColumns` instead: see there), and only ``end`` (the clock) and
         the filing keys are checked here. The fields the summary reads are
         checked there, a whole step's columns at a time (:func:`_columns`),
         where a bad record is dropped alone and counted in ``malformed``.
@@ -1003,16 +1083,18 @@ class Correlator:
                 if end > rs.last_t:  # a number, or TypeError before anything is filed
                     rs.last_t = end
                 if len(lst) < self._colls_cap:
-                    lst.append(rec)
                     if len(self.ranks) >= COLUMNAR_RANKS:
-                        self._cols_of(step).extend((rec,))
+                        lst.append(_FILED)
+                        self._file_columns(step, (rec,))
+                    else:
+                        lst.append(rec)
                 else:
                     self.evicted["coll"] += 1
                     self._colls_done += 1
                 return end
         end = self._add_first_coll(rec, end, rank)
         if end != -math.inf and len(self.ranks) >= COLUMNAR_RANKS:  # filed, in a big job
-            self._cols_of(rec[_STEP]).extend((rec,))
+            self._file_columns(rec[_STEP], (rec,))
         return end
 
     def _cols_of(self, step: Any) -> StepColumns:
@@ -1020,6 +1102,43 @@ class Correlator:
         if cols is None:
             cols = self._step_cols[step] = StepColumns()
         return cols
+
+    def _file_columns(self, step: Any, recs: Sequence[Record]) -> None:
+        """File ``recs`` (filed under their ranks as :data:`_FILED`) into their
+        step's columns; when the columns cannot take them, the step's records
+        are kept as records from then on (:meth:`_materialize`)."""
+        cols = self._cols_of(step)
+        if not cols.extend(recs):
+            self._materialize(step, cols, recs)
+
+    def _materialize(self, step: Any, cols: StepColumns, tail: Sequence[Record]) -> None:
+        """Every :data:`_FILED` of ``step`` becomes its record again: rebuilt
+        from the columns, then ``tail`` (the records filed since the columns
+        last took any); the columns hold nothing more of the step."""
+        rebuilt = cols.records(step)
+        cols.drop()
+        for rec in tail:
+            rebuilt.setdefault(rec[_RANK], []).append(rec)
+        for rank, recs in rebuilt.items():
+            rs = self.ranks.get(rank)
+            lst = rs.colls.get(step) if rs is not None else None
+            if lst:
+                _fill(lst, recs)
+
+    def _restore(
+        self,
+        step: int,
+        taken: Sequence[tuple[Any, Any, list[Record] | None]],
+        filed: StepColumns | None,
+    ) -> None:
+        """The records of ``taken`` (a step's, already taken from their ranks)
+        rebuilt from ``filed`` where they were filed as :data:`_FILED`."""
+        if filed is None or not len(filed):
+            return
+        rebuilt = filed.records(step)
+        for rs, _, colls in taken:
+            if colls and rs.rank in rebuilt:
+                _fill(colls, rebuilt[rs.rank])
 
     def add_coll_run(
         self,
@@ -1055,6 +1174,7 @@ class Correlator:
         # records go to their step's columns a stretch at a time (consecutive
         # filed records of one step), while hot.
         cols_on = len(ranks) >= COLUMNAR_RANKS
+        mark = _FILED if cols_on else None  # what a record is filed as under its rank
         seg, seg_step = i, None
         try:
             for i in range(start, n):  # i: where the run stopped, at a break
@@ -1082,18 +1202,18 @@ class Correlator:
                     end = first(rec, end, rank)
                     if end == -math.inf and cols_on:  # late: not filed, so no column's
                         if seg_step is not None:
-                            self._step_cols[seg_step].extend(recs[seg:i])
+                            self._file_columns(seg_step, recs[seg:i])
                         seg, seg_step = i + 1, None
                         continue
                 elif len(lst) < cap:
                     if end > rs.last_t:
                         rs.last_t = end
-                    lst.append(rec)
+                    lst.append(mark or rec)
                 else:
                     break
                 if cols_on and step != seg_step:
                     if seg_step is not None:
-                        self._step_cols[seg_step].extend(recs[seg:i])
+                        self._file_columns(seg_step, recs[seg:i])
                     seg, seg_step = i, step
                     if step not in self._step_cols:
                         self._step_cols[step] = StepColumns()
@@ -1104,7 +1224,7 @@ class Correlator:
         except (KeyError, TypeError, AttributeError):
             pass  # the ordinary path says what is wrong with it
         if seg_step is not None:
-            self._step_cols[seg_step].extend(recs[seg:i])
+            self._file_columns(seg_step, recs[seg:i])
         return i, float(now)
 
     def _add_first_coll(self, rec: Record, end: Any, rank: Any) -> Any:
@@ -1125,13 +1245,19 @@ class Correlator:
         colls = rs.colls
         if len(colls) >= self.limits.max_pending_steps:
             oldest = min(colls)
+            cols = self._step_cols.get(oldest)
+            if cols is not None and cols.ok:
+                # A rank's records leave the step's columns: the step is
+                # summarised from its records (kept as records from now on).
+                self._materialize(oldest, cols, ())
             n = len(colls.pop(oldest))
             self._unfile(oldest)
             self.evicted["coll"] += n
             self._colls_done += n
         if rs.max_coll_step < 0 and rs.done_step < 0:
             self._busy(rs)
-        colls[step] = [rec]
+        # A big job's record is filed into its step's columns by the caller.
+        colls[step] = [_FILED if len(self.ranks) >= COLUMNAR_RANKS else rec]
         self._filed[step] = self._filed.get(step, 0) + 1
         if step > rs.max_coll_step:
             rs.max_coll_step = step
@@ -1399,6 +1525,7 @@ class Correlator:
         if len(taken) >= COLUMNAR_RANKS and filed:
             out = self._rank_steps_columnar(taken, filed)
         if out is None:
+            self._restore(step, taken, filed)
             out = self._rank_steps(taken)
         # Anything older than this step that is still filed arrived too late
         # (``_filed`` says whether any rank holds such a step: usually none,
@@ -1426,6 +1553,7 @@ class Correlator:
         self, taken: list[tuple[_Rank, Record | None, list[Record] | None]]
     ) -> tuple[RankStep, ...]:
         """Each rank's :class:`RankStep` of one step, one rank at a time."""
+        self._fold_totals()  # its totals are added a rank at a time too
         # Each rank's collectives become columns (keys, issue, end, wait) in a
         # few C-level passes; lateness needs, per collective, the longest and
         # shortest wait in its group (the same key on every member).
@@ -1577,46 +1705,75 @@ class Correlator:
         blocked = total.copy()
         for i in np.flatnonzero(~serial).tolist():
             blocked[i] = _merged_length(list(zip(issue[i].tolist(), end[i].tolist(), strict=True)))
-        wait_rows = waits.tolist()
+        # The columns of every rank in rank order: ranks without collectives
+        # (a step record alone) between them.
+        count = len(taken)
+        states = [rs for rs, _, _ in taken]
+        srecs = [srec for _, srec, _ in taken]
+        ci = np.flatnonzero(np.fromiter((bool(c) for _, _, c in taken), bool, count))
+        si = np.flatnonzero(np.fromiter((x is not None for x in srecs), bool, count))
+        # srec["end"] - srec["start"], as the scalar path subtracts them.
+        timed: list[Record] = [srecs[k] for k in si.tolist()]  # type: ignore[misc]
+        step_s = np.fromiter(map(sub, map(_END_OF, timed), map(_START_OF, timed)), F64, len(si))
+        wait_out = np.zeros(count)
+        wait_out[ci] = blocked
+        late_out = np.zeros(count)
+        late_out[ci] = late
+        frac_out = np.zeros(count)
+        frac_out[ci] = last_frac
+        ncoll_out = np.zeros(count, dtype=np.int64)
+        ncoll_out[ci] = n
+        step_out = np.full(count, math.nan)
+        step_out[si] = step_s
+        compute_out = np.full(count, math.nan)
+        x = step_s - wait_out[si]
+        compute_out[si] = np.where(x > 0.0, x, 0.0)  # max(0.0, x)
+        ranks_out = np.fromiter(map(_RANK_ATTR, states), np.int64, count)
+        out = StepRanks(
+            ranks_out,
+            step_out,
+            wait_out,
+            compute_out,
+            late_out,
+            frac_out,
+            ncoll_out.copy(),
+            ncoll_out,
+        )
         # Per-op totals: one plan for every rank when they all issued the same ops.
         plan = _op_plan(ops0, bytes_m[0].tolist()) if same_ops else None
-        op_secs: list[list[float]] = []
+        op_secs: list[np.ndarray] = []
         if plan is not None:
             for _key, _cnt, _b, pick, _at in plan.per_op:
                 if pick is None:
-                    op_secs.append(total.tolist())
+                    op_secs.append(total)
                     continue
                 acc = np.zeros(n_ranks)  # left to right from zero, as sum(picked)
                 for j in _at:
                     acc += waits[:, j]
-                op_secs.append(acc.tolist())
+                op_secs.append(acc)
+        got = None
+        if plan is not None and np.isfinite(waits).all() and np.isfinite(step_s).all():
+            got = self._totals_for(ranks_out)
+        if got is not None and got[0].fits_ops(plan):
+            tot, at = got
+            tot.add_ops(at[ci], plan, op_secs, waits)
+            tot.add_steps(at[si], step_s, wait_out[si])
+            tot.set_newest(at, out, keys, at[ci])
+            return out
+        # A rank at a time: ops differ between ranks, or a figure the columns
+        # cannot add up exactly.
+        self._fold_totals()
         max_ops, evicted = self.limits.max_ops, self.evicted
-        total_l, blocked_l = total.tolist(), blocked.tolist()
+        wait_rows = waits.tolist()
+        secs_rows = [a.tolist() for a in op_secs]
+        total_l = total.tolist()
         issue_rows, end_rows = issue.tolist(), end.tolist()
-        # The columns of every rank in rank order: ranks without collectives
-        # (a step record alone) between them.
-        nan = math.nan
-        count = len(taken)
-        ranks_out = [0] * count
-        step_out = [nan] * count
-        wait_out = [0.0] * count
-        compute_out = [nan] * count
-        late_out = [0.0] * count
-        frac_out = [0.0] * count
-        matched_out = [0] * count
-        ncoll_out = [0] * count
-        late_l, frac_l = late.tolist(), last_frac.tolist()
+        step_l, wait_l = step_out.tolist(), wait_out.tolist()
         i = 0  # row of the next rank with collectives
         for k, (rs, srec, colls) in enumerate(taken):
-            ranks_out[k] = rs.rank
-            wait = 0.0
             if colls:
-                wait = wait_out[k] = blocked_l[i]
-                late_out[k] = late_l[i]
-                frac_out[k] = frac_l[i]
-                matched_out[k] = ncoll_out[k] = n
                 if plan is not None:
-                    rs.add_op_sums(plan, wait_rows[i], [s[i] for s in op_secs], max_ops, evicted)
+                    rs.add_op_sums(plan, wait_rows[i], [s[i] for s in secs_rows], max_ops, evicted)
                 else:
                     rs.add_ops(
                         CollColumns(
@@ -1629,16 +1786,39 @@ class Correlator:
                 rs.keys_done = keys
                 i += 1
             if srec is not None:
-                step_s = srec["end"] - srec["start"]
-                step_out[k] = step_s
-                compute_out[k] = max(0.0, step_s - wait)
-                rs.add_step_time(step_s, wait)
-        out = StepRanks(
-            ranks_out, step_out, wait_out, compute_out, late_out, frac_out, matched_out, ncoll_out
-        )
-        for k, (rs, _srec, _colls) in enumerate(taken):
+                rs.add_step_time(step_l[k], wait_l[k])
             rs.last = (out, k)
         return out
+
+    def _totals_for(self, ranks: np.ndarray) -> tuple[RankTotals, np.ndarray] | None:
+        """The job's totals as columns and the rows of ``ranks`` in them (made, or
+        made again with a rank they lack, from each rank's own fields)."""
+        tot = self._totals
+        if tot is not None:
+            rows = tot.rows_of(ranks)
+            if rows is not None:
+                return tot, rows
+            self._fold_totals()
+        try:
+            tot = RankTotals([self.ranks[r] for r in sorted(self.ranks)], self.limits.max_ops)
+        except OverflowError:
+            return None  # a total past int64: added a rank at a time
+        rows = tot.rows_of(ranks)
+        if rows is None:
+            return None
+        self._totals = tot
+        return tot, rows
+
+    def sync_totals(self) -> None:
+        """Make every rank's own totals current (read by the snapshot)."""
+        if self._totals is not None:
+            self._totals.sync()
+
+    def _fold_totals(self) -> None:
+        """Back to adding up a rank at a time: the columns' totals go to the ranks."""
+        if self._totals is not None:
+            self._totals.sync()
+            self._totals = None
 
     def _columns(self, colls: list[Record]) -> _Columns | None:
         """``colls`` as columns; records with a missing or ill-typed field dropped."""
@@ -1660,9 +1840,14 @@ class Correlator:
             rs.seq_done = max(rs.seq_done, _top_seq(rs.keys_done))
             rs.keys_done = ()
         top = rs.seq_done
-        for lst in rs.colls.values():
+        for step, lst in rs.colls.items():
             for c in lst:
-                seq = c.get("seq")
+                seq: Any
+                if c is _FILED:  # in its step's columns
+                    cols = self._step_cols.get(step)
+                    seq = cols.top_seqs().get(rs.rank, -1) if cols is not None else -1
+                else:
+                    seq = c.get("seq")
                 if type(seq) is int and seq > top:
                     top = seq
         return top
@@ -1672,6 +1857,7 @@ class Correlator:
         of completed collectives and those older than ``keep_s`` seconds."""
         pending: list[Pending] = []
         newest: list[tuple[int, int]] = []
+        self.sync_totals()  # each rank's newest keys (newest_seq)
         for rank in sorted(self.ranks):
             rs = self.ranks[rank]
             done = self.newest_seq(rs)
@@ -1838,7 +2024,11 @@ class Correlator:
     def malformed_total(self) -> int:
         """Coll records dropped at summary time, plus bad op/bytes fields met
         when adding up the per-op totals."""
-        return self.malformed + sum(rs.bad_fields for rs in self.ranks.values())
+        bad = sum(rs.bad_fields for rs in self.ranks.values())
+        tot = self._totals
+        if tot is not None:  # the held ranks' own counts are a copy: the columns' instead
+            bad += int(tot.bad.sum()) - sum(rs.bad_fields for rs in tot.states)
+        return self.malformed + bad
 
     def pending_steps(self) -> list[int]:
         """Steps some rank has step or coll records filed for, oldest first."""

@@ -288,6 +288,7 @@ class Pipeline:
     def snapshot(self) -> Snapshot:
         """A picture of every rank and pair now (see :mod:`fsdp_sentinel.snapshot`)."""
         corr = self.corr
+        corr.sync_totals()
         per_rank_pairs: dict[int, list[Any]] = {}
         peers: list[PeerView] = []
         for (a, b), pair in sorted(corr.pairs.items()):

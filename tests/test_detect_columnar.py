@@ -170,6 +170,8 @@ def _edit(recs: list[dict], how: str) -> list[dict]:
                 r["group"] = "shard" if r["seq"] % 2 else "replicate"
     elif how == "ill-typed":  # fed straight in: no trace reader checked it
         colls[3]["issue"] = "soon"
+    elif how == "float-bytes":  # fits no int64 column, mid-step: the step is kept as records
+        colls[len(colls) // 2]["bytes"] = 1.5
     elif how == "other-op":  # one rank's collectives of another op
         for r in colls:
             if r["rank"] == 4:
@@ -179,7 +181,14 @@ def _edit(recs: list[dict], how: str) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("how", "scalar_steps"),
-    [("duplicate", [7]), ("missing", [7]), ("ill-typed", [7]), ("groups", []), ("other-op", [])],
+    [
+        ("duplicate", [7]),
+        ("missing", [7]),
+        ("ill-typed", [7]),
+        ("float-bytes", [7]),
+        ("groups", []),
+        ("other-op", []),
+    ],
 )
 def test_an_unusual_big_step_is_summarised_as_the_scalar_path_does(
     how: str, scalar_steps: list[int], monkeypatch: pytest.MonkeyPatch
@@ -199,8 +208,8 @@ def test_an_unusual_big_step_is_summarised_as_the_scalar_path_does(
         assert cols[key] == want, key
 
 
-def _summaries(recs: list[dict]) -> dict[str, Any]:
-    pipe = Pipeline()
+def _summaries(recs: list[dict], limits: correlate.StateLimits | None = None) -> dict[str, Any]:
+    pipe = Pipeline(limits=limits)
     kinds: list[Any] = []
     steps: list[Any] = []
     summarise = pipe.corr.step_summary
@@ -230,6 +239,37 @@ def _summaries(recs: list[dict]) -> dict[str, Any]:
             for r in snap.ranks
         ],  # fmt: skip
     }
+
+
+def test_a_big_jobs_evicted_steps_are_summarised_from_their_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank past its cap of pending steps drops its oldest: the step's
+    records, kept only in the step's columns, come back as records first, and
+    every figure stays the scalar path's."""
+    limits = correlate.StateLimits(max_pending_steps=1)
+    # Rank 11's step record of step 7 lost: the step waits, steps pile up.
+    recs = [
+        r for r in _big_job() if not (r["kind"] == "step" and r["rank"] == 11 and r["step"] == 7)
+    ]
+    filed = correlate.Correlator._materialize
+    made: list[Any] = []
+
+    def spy(self: correlate.Correlator, step: Any, *a: Any) -> None:
+        made.append(step)
+        filed(self, step, *a)
+
+    with monkeypatch.context() as m:
+        m.setattr(correlate, "COLUMNAR_RANKS", 1 << 30)
+        m.setattr(columnar, "COLUMNAR_RANKS", 1 << 30)
+        scalar = _summaries(recs, limits)
+    monkeypatch.setattr(correlate.Correlator, "_materialize", spy)
+    cols = _summaries(recs, limits)
+    assert made, "no step of the big job was evicted"
+    scalar.pop("kinds")
+    cols.pop("kinds")
+    for key, want in scalar.items():
+        assert cols[key] == want, key
 
 
 @pytest.mark.parametrize("change", [{"window": 5}, {"window": 2, "sustained_window": 5}])

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "hooks": 2,
     "trainer": 3,
     # the brain
+    "ranktotals": 1,
     "correlate": 2,
     "stream": 2,
     "fabric": 2,

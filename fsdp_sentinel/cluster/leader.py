@@ -25,6 +25,8 @@ import gc
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from fsdp_sentinel.cluster.summary import (
     StepDigest,
     Window,
@@ -155,9 +157,12 @@ class LeaderCorrelator(Correlator):
         for old in [s for s in self.digests if s < step]:
             self.late_records += sum(sum(d.n_coll) for d in self.digests.pop(old))
         out = rank_steps(digests)
+        if isinstance(out, StepRanks) and self._add_columns(out):
+            return self._summary(now, step, out)
+        self._fold_totals()
         ranks = self.ranks
         rows: Iterable[tuple[int, float | None, float, Any]]
-        if isinstance(out, StepRanks):  # a big step: no RankStep made per rank
+        if isinstance(out, StepRanks):
             rows = zip(
                 out.rank.tolist(),
                 map(none_if_nan, out.step_s.tolist()),  # NaN: no step record
@@ -175,6 +180,23 @@ class LeaderCorrelator(Correlator):
                 rs.step_seconds_total += st
                 rs.wait_seconds_total += min(w, st)
         return self._summary(now, step, out)
+
+    def _add_columns(self, out: StepRanks) -> bool:
+        """A big step's figures added to the job's totals as columns
+        (:mod:`fsdp_sentinel.ranktotals`): no pass over its ranks. False when
+        the columns cannot take them exactly (added a rank at a time then)."""
+        timed = out.step_s == out.step_s  # NaN: no step record
+        st, w = out.step_s[timed], out.wait_s[timed]
+        if not (np.isfinite(st).all() and np.isfinite(w).all()):
+            return False
+        got = self._totals_for(out.rank)
+        if got is None:
+            return False
+        tot, at = got
+        # The leader keeps no histograms: each node daemon exports its own ranks.
+        tot.add_steps(at[timed], st, w, histogram=False)
+        tot.set_newest(at, out)
+        return True
 
     def newest_seq(self, rs: Any) -> int:
         return max(super().newest_seq(rs), self.top_seq.get(rs.rank, -1))
