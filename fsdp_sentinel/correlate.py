@@ -763,6 +763,7 @@ def _fill(lst: list[Any], recs: Sequence[Record]) -> None:
 _RANK_OF, _SEQ_OF = itemgetter(KEY["rank"]), itemgetter(KEY["seq"])
 _ISSUE_OF, _END_OF, _BYTES_OF = itemgetter(KEY["issue"]), itemgetter(_END), itemgetter(KEY["bytes"])
 _START_OF, _RANK_ATTR = itemgetter(_START), attrgetter("rank")
+_LAST_T, _DONE_STEP = attrgetter("last_t"), attrgetter("done_step")
 F64 = np.float64
 
 
@@ -925,6 +926,9 @@ class Correlator:
         # A big job's per-rank totals as columns, the truth while held (see
         # fsdp_sentinel.ranktotals): each rank's own fields are then a copy.
         self._totals: RankTotals | None = None
+        # _liveness_columns' ranks in order, their states and hosts; peer counts
+        self._live: tuple[np.ndarray, list[_Rank], list[str]] | None = None
+        self._live_peers: np.ndarray | None = None
         self._colls_cap = self.limits.max_colls_per_step  # read per coll record
 
     # ------------------------------------------------------------ per record
@@ -936,6 +940,7 @@ class Correlator:
                 self.evicted["rank"] += 1
                 raise ValueError(f"rank map full ({self.limits.max_ranks}): rank {rank} refused")
             rs = self.ranks[rank] = _Rank(rank)
+            self._live = None
         return rs
 
     def _evict_idle_rank(self) -> bool:
@@ -949,6 +954,7 @@ class Correlator:
         """Drop everything kept about ``rank`` (evicted), but what others say of it."""
         if rank in self.ranks:
             self._fold_totals()
+            self._live = None
         rs = self.ranks.pop(rank, None)
         self._idle.pop(rank, None)
         if rs is None:
@@ -980,6 +986,7 @@ class Correlator:
             self._idle.pop(rank, None)
             self._idle[rank] = None  # announced again: the newest idle rank
         rs.host = str(rec["host"])
+        self._live = None  # its host may have changed
         rs.job = str(rec.get("job") or "")
         rs.pid = int(rec["pid"])
         rs.addrs = tuple(str(a) for a in rec["addrs"])
@@ -1317,6 +1324,7 @@ class Correlator:
         self._flow_cache[key] = hit
         self._peers.setdefault(hit[0], set()).add(hit[1])
         self._peers.setdefault(hit[1], set()).add(hit[0])
+        self._live_peers = None
         return hit
 
     def _remember_endpoint(self, src: str, rank: int) -> None:
@@ -1426,6 +1434,7 @@ class Correlator:
             if local is not None and remote is not None and local != remote:
                 self._peers.setdefault(local, set()).add(remote)
                 self._peers.setdefault(remote, set()).add(local)
+                self._live_peers = None
             return
         t = float(rec["t"])
         if local is not None and what == "close" and local not in self._self_closed:
@@ -1448,6 +1457,7 @@ class Correlator:
             if b not in torn:
                 torn[b] = t
             self._peers.setdefault(a, set()).add(b)
+            self._live_peers = None
 
     def sweep(self, now: float) -> None:
         """Forget what has been quiet for ``limits.ttl_s`` of stream time:
@@ -2000,22 +2010,35 @@ class Correlator:
         """:meth:`liveness` as columns: the same figures, a generator pass per
         column over the ranks instead of a tuple made per rank."""
         ranks = self.ranks
-        order = sorted(ranks)
-        states = [ranks[r] for r in order]
-        n = len(order)
-        peers_of = self._peers
+        # What changes only when ranks come, go or announce themselves (the
+        # order, each rank's state and host) or a pair appears (peer counts)
+        # is kept between calls; the rest is read afresh.
+        if self._live is None:
+            order = sorted(ranks)
+            states = [ranks[r] for r in order]
+            self._live = (np.array(order, dtype=np.int64), states, [rs.host for rs in states])
+            self._live_peers = None
+        rank_col, states, hosts = self._live
+        n = len(states)
+        if self._live_peers is None:
+            peers_of = self._peers
+            self._live_peers = np.fromiter(
+                (len(peers_of.get(r, ())) for r in rank_col.tolist()), np.int64, n
+            )
+        pending_t = np.zeros(n)
+        if self._pending_ranks:  # every rank with pending records (see add_pending)
+            for r in self._pending_ranks:
+                rs = ranks.get(r)
+                if rs is not None and rs.pending:
+                    pending_t[row_of(rank_col, r)] = max(p.t for p in rs.pending.values())
         torn = {r: (len(t), min(t.values())) for r, t in self._torn.items() if t and r in ranks}
         return LivenessColumns(
-            np.array(order, dtype=np.int64),
-            [rs.host for rs in states],
-            np.fromiter((rs.last_t for rs in states), np.float64, n),
-            np.fromiter((rs.done_step for rs in states), np.int64, n),
-            np.fromiter(
-                (max(p.t for p in rs.pending.values()) if rs.pending else 0.0 for rs in states),
-                np.float64,
-                n,
-            ),
-            np.fromiter((len(peers_of.get(r, ())) for r in order), np.int64, n),
+            rank_col,
+            hosts,
+            np.fromiter(map(_LAST_T, states), np.float64, n),
+            np.fromiter(map(_DONE_STEP, states), np.int64, n),
+            pending_t,
+            self._live_peers,
             torn,
             frozenset(r for r in self._self_closed if r in ranks),
             {r: len(v) for r, v in self._reset_by.items() if v and r in ranks},
