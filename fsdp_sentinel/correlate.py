@@ -1028,17 +1028,24 @@ class Correlator:
         return rs, step
 
     def note_step(self, rs: _Rank, step: int, end: float) -> None:
-        """What a step record ending at ``end`` says of its rank and the job
-        (cluster mode's leader files a node's step records with it, from a digest)."""
-        if end > rs.last_t:
-            rs.last_t = end
-        if rs.first_step is None or step < rs.first_step:
-            rs.first_step = step
-        if step > rs.done_step:
-            if rs.done_step < 0:
-                self._busy(rs)
-            rs.done_step = step
-        if step > self.job_done:
+        """What a step record ending at ``end`` says of its rank and the job."""
+        self.note_steps(step, ((rs, end),))
+
+    def note_steps(self, step: int, rows: Iterable[tuple[_Rank, float]]) -> None:
+        """:meth:`note_step` for each ``(rank state, end)`` of ``rows``, all of
+        ``step`` (cluster mode's leader files a node's step records at once)."""
+        noted = False
+        for rs, end in rows:
+            noted = True
+            if end > rs.last_t:
+                rs.last_t = end
+            if rs.first_step is None or step < rs.first_step:
+                rs.first_step = step
+            if step > rs.done_step:
+                if rs.done_step < 0:
+                    self._busy(rs)
+                rs.done_step = step
+        if noted and step > self.job_done:
             self.job_done = step
 
     def heard_late(self, rank: Any, step: Any, end: Any, done: bool) -> None:

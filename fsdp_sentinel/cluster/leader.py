@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,6 @@ from fsdp_sentinel.cluster.summary import (
     Window,
     group_top_seqs,
     rank_steps,
-    step_times,
 )
 from fsdp_sentinel.correlate import (
     Correlator,
@@ -48,6 +48,7 @@ from fsdp_sentinel.rankstep import StepRanks, none_if_nan
 from fsdp_sentinel.trace import record_time
 
 Record = dict[str, Any]
+_RANK_OF = attrgetter("rank")
 
 #: The leader's caps: it keeps every rank of the job (the single daemon's
 #: defaults stop at 4,096 ranks and hosts), up to 131,072, and a flow matrix
@@ -109,24 +110,21 @@ class LeaderCorrelator(Correlator):
         step = d.step
         filed = self.step_filed.setdefault(step, set())
         before = len(filed)
-        rs: Any = None
-        for rs in self.note_steps(d):
-            filed.add(rs.rank)
+        states = self.note_digest(d)
+        filed.update(map(_RANK_OF, states))
+        rs: Any = states[-1] if states else None
         if len(filed) > before:
             self._reports[step] = self._reports.get(step, 0) + len(filed) - before
         return rs, step
 
-    def note_steps(self, d: StepDigest) -> list[Any]:
-        """:meth:`~Correlator.note_step` for every step record in ``d``; their ranks' states."""
+    def note_digest(self, d: StepDigest) -> list[Any]:
+        """:meth:`~Correlator.note_steps` for every step record in ``d``; their ranks' states."""
         ranks = self.ranks
-        note = self.note_step
-        step = d.step
-        out = []
-        for rank, _start, end in step_times(d):
-            rs = ranks.get(rank) or self.rank_of(rank)
-            note(rs, step, end)
-            out.append(rs)
-        return out
+        # A rank without a step record has NaN times (NaN == NaN is false).
+        timed = [(r, e) for r, e in zip(d.ranks, d.end, strict=True) if e == e]
+        states = [ranks.get(r) or self.rank_of(r) for r, _ in timed]
+        self.note_steps(d.step, zip(states, [e for _, e in timed], strict=True))
+        return states
 
     def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
         """A node's word on its rank: last heard, newest step and seq with collectives."""
@@ -264,7 +262,7 @@ class LeaderPipeline(Pipeline):
             corr = self.lcorr
             d: StepDigest | None = rec.get("digest")
             if d is not None:
-                corr.note_steps(d)
+                corr.note_digest(d)
             else:
                 corr.note_step(corr.rank_of(int(rec["rank"])), step, float(rec["end"]))
         return self._on_step(rec)

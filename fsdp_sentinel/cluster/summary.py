@@ -350,7 +350,10 @@ def group_top_seqs(d: StepDigest) -> list[int]:
 # ------------------------------------------------------------ wire form
 
 #: The first bytes of a packed window (a version: a format change is a new magic).
-MAGIC = b"FSW2"
+#: FSW3: each digest's per-rank columns in two blocks (its floats, then its
+#: integers) rather than nine, so the leader reads a node's digest in three
+#: reads (``bench/leader_scale``: 2,048 nodes a window).
+MAGIC = b"FSW3"
 _HEAD = struct.Struct("<4sI")
 _SWAP = sys.byteorder != "little"
 
@@ -370,7 +373,7 @@ def _keys_in(obj: Any) -> tuple[Any, ...]:
     return tuple(tuple(k) if isinstance(k, list) else k for k in obj)
 
 
-def _pack(code: str, values: Sequence[Any]) -> bytes:
+def _pack(code: str, values: Iterable[Any]) -> bytes:
     a = array(code, values)
     if _SWAP:
         a.byteswap()
@@ -400,8 +403,8 @@ class _Reader:
 
 def _check(
     groups: list[KeyGroup],
-    n_coll: Sequence[int],
-    group: Sequence[int],
+    n_coll: array,  # type: ignore[type-arg]
+    group: array,  # type: ignore[type-arg]
     last_n: Sequence[int],
     ix: Sequence[int],
 ) -> None:
@@ -410,7 +413,8 @@ def _check(
     if sum(last_n) != len(ix) or (n_coll and (min(group) < -1 or max(group) >= len(groups))):
         raise ValueError("a digest's columns do not agree")
     sizes = [len(g.keys) for g in groups]
-    if any(n != (sizes[g] if g >= 0 else 0) for n, g in zip(n_coll, group, strict=True)):
+    # Each rank's group's size (index -1, no group: the 0 at the end), in C.
+    if array(n_coll.typecode, map((sizes + [0]).__getitem__, group)) != n_coll:
         raise ValueError("a rank's collectives and its group do not agree")
     if ix and (min(ix) < 0 or max(ix) >= max(sizes)):
         raise ValueError("a last position outside its group's keys")
@@ -444,14 +448,8 @@ def encode(w: Window) -> bytes:
             parts.append(_pack("d", g.longest))
             parts.append(_pack("d", g.shortest))
         parts += [
-            _pack("i", d.ranks),
-            _pack("d", d.wait_s),
-            _pack("d", d.total_wait),
-            _pack("i", d.n_coll),
-            _pack("i", d.group),
-            _pack("d", d.start),
-            _pack("d", d.end),
-            _pack("i", d.last_n),
+            _pack("d", chain(d.wait_s, d.total_wait, d.start, d.end)),
+            _pack("i", chain(d.ranks, d.n_coll, d.group, d.last_n)),
             _pack("i", d.last_ix),
         ]
     return b"".join(parts)
@@ -475,9 +473,9 @@ def decode(data: bytes) -> Window:
                 hi, lo = body.take("d", len(k)), body.take("d", len(k))
                 groups.append(KeyGroup(k, tuple(hi), tuple(lo), int(size)))
             n = int(d["n"])
-            ranks, wait, total = body.take("i", n), body.take("d", n), body.take("d", n)
-            n_coll, group = body.take("i", n), body.take("i", n)
-            start, end, last_n = body.take("d", n), body.take("d", n), body.take("i", n)
+            f, i = body.take("d", 4 * n), body.take("i", 4 * n)
+            wait, total, start, end = f[:n], f[n : 2 * n], f[2 * n : 3 * n], f[3 * n :]
+            ranks, n_coll, group, last_n = i[:n], i[n : 2 * n], i[2 * n : 3 * n], i[3 * n :]
             last_ix = body.take("i", int(d["ix"]))
             _check(groups, n_coll, group, last_n, last_ix)
             digests.append(
