@@ -18,7 +18,7 @@ import pytest
 from fsdp_sentinel import synth as S
 from fsdp_sentinel import trace
 from fsdp_sentinel.cluster import summary as CS
-from fsdp_sentinel.cluster.leader import LeaderDetector, Liveness, leader_of
+from fsdp_sentinel.cluster.leader import LeaderDetector, Liveness, decode_round, leader_of
 from fsdp_sentinel.cluster.node import NodeWindows
 from fsdp_sentinel.cluster.split import run_split, split_by_host
 from fsdp_sentinel.correlate import Correlator
@@ -276,6 +276,9 @@ def test_a_window_that_is_not_one_is_a_clear_error() -> None:
     for bad in (good[:-1], good + b"\0", wrong_group):
         with pytest.raises(ValueError, match="not a cluster window"):
             CS.decode(bad)
+    # The leader's round: a bad window is left out alone and counted.
+    windows, n_bad = decode_round([good, good[:-1], b"\xff", good])
+    assert n_bad == 2 and [list(w.digests[0].ranks) for w in windows] == [[0, 1, 2]] * 2
 
 
 def test_rank_records_name_the_jobs_store_from_torchruns_environment() -> None:

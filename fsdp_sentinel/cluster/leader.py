@@ -22,7 +22,8 @@ so rank 0's node leads) that is not dark.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 from fsdp_sentinel.cluster.summary import (
     StepDigest,
     Window,
+    decode,
     group_top_seqs,
     rank_steps,
 )
@@ -311,19 +313,8 @@ class LeaderDetector:
         self.corr.dark_hosts = frozenset(h for n in dark for h in self.node_hosts.get(n, ()))
 
     def ingest(self, windows: Sequence[Window]) -> list[Record]:
-        # The cyclic collector is held off for the window: a window makes a
-        # few short-lived objects per rank and replaces each rank's state, so
-        # left on it runs dozens of young and several full collections over
-        # the leader's whole heap (~10 containers a rank) per window: 60 % of
-        # a 16k-rank window. The window's own garbage is freed by reference
-        # counts; what it left in cycles waits for the next collection.
-        was_on = gc.isenabled()
-        gc.disable()
-        try:
+        with collector_held():
             return self._ingest(windows)
-        finally:
-            if was_on:
-                gc.enable()
 
     def _ingest(self, windows: Sequence[Window]) -> list[Record]:
         corr = self.corr
@@ -377,6 +368,41 @@ class LeaderDetector:
                 ev = v["evidence"] = {}
             ev["view"] = "cluster"
         return out
+
+
+@contextmanager
+def collector_held() -> Iterator[None]:
+    """The cyclic collector held off while a round of windows is read or judged.
+
+    A round makes a few short-lived objects per rank (decoding: ~30 containers
+    a node) and replaces each rank's state, so left on the collector runs
+    dozens of young and several full collections over the leader's whole heap
+    (~10 containers a rank) per round: 60 % of a 16k-rank window. The round's
+    own garbage is freed by reference counts; what it left in cycles waits
+    for the next collection.
+    """
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def decode_round(blobs: Iterable[bytes]) -> tuple[list[Window], int]:
+    """Every packed window of one round (:func:`~fsdp_sentinel.cluster.summary.decode`),
+    with the collector held off (:func:`collector_held`), and how many blobs
+    were not windows (each left out alone: the others still count)."""
+    out: list[Window] = []
+    bad = 0
+    with collector_held():
+        for b in blobs:
+            try:
+                out.append(decode(b))
+            except ValueError:
+                bad += 1
+    return out, bad
 
 
 def _when(item: Record | tuple[float, int, int, int]) -> float:
