@@ -1525,19 +1525,21 @@ class Correlator:
             self.summarised = step
         taken: list[tuple[_Rank, Record | None, list[Record] | None]] = []
         filed = self._step_cols.pop(step, None)
-        ranks = self.ranks
-        for rank in sorted(ranks):
-            rs = ranks[rank]
+        unfiled = colls_done = 0
+        for rs in self._in_order()[1]:
             srec = rs.steps.pop(step, None)
             colls = rs.colls.pop(step, None)
             if srec is not None:
-                self._unfile(step)
+                unfiled += 1
             if colls is not None:
-                self._unfile(step)
-                self._colls_done += len(colls)
+                unfiled += 1
+                colls_done += len(colls)
             if srec is None and not colls:
                 continue
             taken.append((rs, srec, colls))
+        self._colls_done += colls_done
+        if unfiled:
+            self._unfile(step, unfiled)
         out: Sequence[RankStep] | None = None
         if len(taken) >= COLUMNAR_RANKS and filed:
             out = self._rank_steps_columnar(taken, filed)
@@ -2020,12 +2022,7 @@ class Correlator:
         # What changes only when ranks come, go or announce themselves (the
         # order, each rank's state and host) or a pair appears (peer counts)
         # is kept between calls; the rest is read afresh.
-        if self._live is None:
-            order = sorted(ranks)
-            states = [ranks[r] for r in order]
-            self._live = (np.array(order, dtype=np.int64), states, [rs.host for rs in states])
-            self._live_peers = None
-        rank_col, states, hosts = self._live
+        rank_col, states, hosts = self._in_order()
         n = len(states)
         if self._live_peers is None:
             peers_of = self._peers
@@ -2051,6 +2048,17 @@ class Correlator:
             {r: len(v) for r, v in self._reset_by.items() if v and r in ranks},
         )
 
+    def _in_order(self) -> tuple[np.ndarray, list[_Rank], list[str]]:
+        """Every rank, its state and host, in rank order (kept until a rank
+        comes, goes or announces itself)."""
+        if self._live is None:
+            ranks = self.ranks
+            order = sorted(ranks)
+            states = [ranks[r] for r in order]
+            self._live = (np.array(order, dtype=np.int64), states, [rs.host for rs in states])
+            self._live_peers = None
+        return self._live
+
     def malformed_total(self) -> int:
         """Coll records dropped at summary time, plus bad op/bytes fields met
         when adding up the per-op totals."""
@@ -2064,9 +2072,9 @@ class Correlator:
         """Steps some rank has step or coll records filed for, oldest first."""
         return sorted(self._filed)
 
-    def _unfile(self, step: int) -> None:
-        """One (rank, step) filing of ``step`` is gone (summarised or dropped)."""
-        n = self._filed[step] - 1
+    def _unfile(self, step: int, gone: int = 1) -> None:
+        """``gone`` (rank, step) filings of ``step`` are gone (summarised or dropped)."""
+        n = self._filed[step] - gone
         if n:
             self._filed[step] = n
         else:
