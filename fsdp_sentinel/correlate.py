@@ -1819,7 +1819,7 @@ class Correlator:
                 return tot, rows
             self._fold_totals()
         try:
-            tot = RankTotals([self.ranks[r] for r in sorted(self.ranks)], self.limits.max_ops)
+            tot = RankTotals(self._in_order()[1], self.limits.max_ops)
         except OverflowError:
             return None  # a total past int64: added a rank at a time
         rows = tot.rows_of(ranks)

@@ -79,9 +79,6 @@ class RankTotals:
         self.keys_ref = np.full(n, -1, dtype=np.int64)
         self.plan: Any = None  # the newest op plan added (each rank's _op_plan, a cache)
 
-    def __len__(self) -> int:
-        return len(self.states)
-
     def rows_of(self, ranks: np.ndarray) -> np.ndarray | None:
         """Each rank's row (None when one of them is not held)."""
         if not len(ranks):

@@ -35,6 +35,7 @@ from fsdp_sentinel.cluster.summary import (
     decode,
     group_top_seqs,
     rank_steps,
+    step_times,
 )
 from fsdp_sentinel.correlate import (
     Correlator,
@@ -122,8 +123,7 @@ class LeaderCorrelator(Correlator):
     def note_digest(self, d: StepDigest) -> list[Any]:
         """:meth:`~Correlator.note_steps` for every step record in ``d``; their ranks' states."""
         ranks = self.ranks
-        # A rank without a step record has NaN times (NaN == NaN is false).
-        timed = [(r, e) for r, e in zip(d.ranks, d.end, strict=True) if e == e]
+        timed = [(r, e) for r, _start, e in step_times(d)]
         states = [ranks.get(r) or self.rank_of(r) for r, _ in timed]
         self.note_steps(d.step, zip(states, [e for _, e in timed], strict=True))
         return states
