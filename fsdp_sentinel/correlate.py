@@ -231,12 +231,18 @@ class Stall(NamedTuple):
     ``flow``) last arrived, and their interval (``dt``). ``retrans``: per
     directed pair ``(rank, peer, n)``, retransmits in flow samples since the
     oldest pending collective was issued (TCP resending into a dead link).
+    ``delivered``: per directed pair ``(rank, peer, bytes)``, what ``rank``
+    read from ``peer`` in flow samples after the first one in the stall that
+    retransmitted: a link that still carries bytes while TCP resends is
+    lossy, not cut (a link dead either way soon carries none either way: the
+    far end's window fills with data it never hears acknowledged).
     """
 
     pending: tuple[Pending, ...] = ()
     newest_seq: tuple[tuple[int, int], ...] = ()
     hosts_heard: tuple[tuple[str, float, float], ...] = ()
     retrans: tuple[tuple[int, int, int], ...] = ()
+    delivered: tuple[tuple[int, int, int], ...] = ()
 
 
 _NO_STALL = Stall()
@@ -1893,15 +1899,29 @@ class Correlator:
             newest.append((rank, top))
         heard = tuple((h, v[0], v[1]) for h, v in sorted(self.hosts_heard.items()))
         retrans: list[tuple[int, int, int]] = []
+        delivered: list[tuple[int, int, int]] = []
         if pending:
             since = min(p.issue for p in pending)
-            for key in sorted(self.pairs):
-                # Only samples wholly inside the stall: retransmits of the
-                # moments before it are the ordinary kind.
-                n = sum(x[5] for x in self.pairs[key].samples if x[0] - x[1] >= since)
+            # Only samples wholly inside the stall: retransmits of the moments
+            # before it are the ordinary kind.
+            inside = {
+                key: [x for x in pair.samples if x[0] - x[1] >= since]
+                for key, pair in sorted(self.pairs.items())
+            }
+            # Bytes read once the first resending sample is over: those read
+            # during it may be the last that crossed before a cut (a peer's
+            # in-flight window arrives within a round trip, the first resend
+            # comes an RTO, >= 200 ms, later). Another host's polls may lag
+            # this one's by up to half an interval.
+            resent = min((x[0] for xs in inside.values() for x in xs if x[5]), default=math.inf)
+            for key, xs in inside.items():
+                n = sum(x[5] for x in xs)
                 if n:
                     retrans.append((key[0], key[1], n))
-        return Stall(tuple(pending), tuple(newest), heard, tuple(retrans))
+                got = sum(x[3] for x in xs if x[0] - x[1] / 2 >= resent)
+                if got:
+                    delivered.append((key[0], key[1], got))
+        return Stall(tuple(pending), tuple(newest), heard, tuple(retrans), tuple(delivered))
 
     # ------------------------------------------------------------ views
 

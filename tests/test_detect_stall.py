@@ -120,9 +120,17 @@ def test_a_slow_job_whose_collectives_wait_long_and_complete_never_hangs() -> No
 # ----------------------------------------------------------------- the rule on hand-made summaries
 
 
-def summary(t: float, pending: list[Pending], newest: dict[int, int], **stall: Any) -> Summary:
+def summary(
+    t: float,
+    pending: list[Pending],
+    newest: dict[int, int],
+    heard: dict[int, float] | None = None,
+    **stall: Any,
+) -> Summary:
+    """A clock tick's summary; ``heard``: a rank's newest hook record (default 100.0)."""
+    last = heard or {}
     live = tuple(
-        RankLiveness(r, f"h{r}", 100.0, 9, 0, 3, None, False, 0) for r in sorted(newest)
+        RankLiveness(r, f"h{r}", last.get(r, 100.0), 9, 0, 3, None, False, 0) for r in sorted(newest)
     )  # fmt: skip
     st = Stall(tuple(pending), tuple(sorted(newest.items())), **stall)
     return Summary(t, None, (), (), live, 9, True, st)
@@ -144,6 +152,20 @@ def test_the_stall_must_outlast_a_few_of_the_jobs_steps() -> None:
     assert hung == {} and out == []
 
 
+def test_a_rank_behind_that_is_still_completing_collectives_is_catching_up_not_hung() -> None:
+    # A cut healed (regress-one-way-cut-healed-called-hang): rank 0 got through
+    # the stalled collective first and waits on the next (seq 41, issued before
+    # the cut); ranks 1 and 2 are still finishing seq 40, their records coming in.
+    pend = [waiting(0, seq=41, issue=95.0, t=101.9)]
+    newest = {0: 41, 1: 40, 2: 40}
+    s = summary(102.1, pend, newest, heard={0: 101.5, 1: 101.9, 2: 101.4})
+    assert judge_stall(s, {}, {}, CFG, 0.3) == ({}, {}, [])
+    # Once they fall silent behind it, they are hung.
+    s2 = summary(102.5, pend, newest, heard={0: 101.5, 1: 101.9, 2: 101.4})
+    _, hung, out = judge_stall(s2, {}, {}, CFG, 0.3)
+    assert hung == {2: 41} and [(v.rank, v.cause) for v in out] == [(2, "hang")]
+
+
 def test_stale_pending_records_say_nothing() -> None:
     s = summary(110.0, [waiting(0, t=102.0), waiting(1, t=102.0)], {0: 39, 1: 39, 2: 39})
     assert judge_stall(s, {}, {}, CFG, 0.3)[2] == []
@@ -163,6 +185,24 @@ def test_everyone_waiting_and_every_retransmit_touching_one_rank_is_a_cut_off_ho
     # Retransmits on flows that do not share a rank: no single host to blame.
     s3 = summary(102.1, pend, newest, retrans=((0, 1, 3), (2, 3, 3)))
     assert judge_stall(s3, {}, {}, CFG, 0.3)[2] == []
+
+
+@pytest.mark.parametrize("reader", [(1, 2), (2, 3)])
+def test_a_link_that_still_carries_bytes_while_tcp_resends_is_lossy_not_cut(
+    reader: tuple[int, int],
+) -> None:
+    # 10 % loss out of rank 2 (a lab capture, regress-packet-loss-stall-called-lost):
+    # the first slow reduce-scatter waits 4 s with every retransmit on rank 2's
+    # flows, as a cut-off host's would, but its peers go on reading its bytes.
+    pend = [waiting(r) for r in range(4)]
+    newest = {r: 40 for r in range(4)}
+    retrans = ((2, 1, 69), (2, 3, 45))
+    got = ((*reader, 37_648),)
+    s = summary(102.1, pend, newest, retrans=retrans, delivered=got)
+    assert judge_stall(s, {}, {}, CFG, 0.3) == ({}, {}, [])
+    # Bytes that crossed other ranks' links say nothing about rank 2's.
+    s2 = summary(102.1, pend, newest, retrans=retrans, delivered=((0, 1, 37_648),))
+    assert [v.rank for v in judge_stall(s2, {}, {}, CFG, 0.3)[2]] == [2]
 
 
 def test_a_silent_host_needs_another_host_still_heard() -> None:

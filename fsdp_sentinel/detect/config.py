@@ -208,6 +208,13 @@ class StallConfig(_Checked):
     """The same in the job's recent step time (the larger counts): a slow job
     whose collectives take long, but complete, never stalls."""
 
+    catching_up_s: float = 1.0
+    """A rank behind the stalled collective that sent a hook record this
+    recently is catching up, not hung (as the ranks a healed cut left behind
+    do, while a quicker peer already waits on the next collective). Under
+    ``hang_after_s``, so a rank that stopped as the stall began is still
+    named at the first look."""
+
     pending_stale_s: float = 2.5
     """A rank's pending record older than this no longer says it is waiting
     (they come every second while it is)."""

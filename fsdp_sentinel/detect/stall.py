@@ -7,8 +7,10 @@ from 1 s on). Once the oldest such collective has been pending
 so a slow job whose collectives do complete never stalls), this rule asks
 who is missing:
 
-* a rank that sends no pending record and whose newest ``seq`` is behind the
-  stalled one never issued it. If its host's own probe records go on (or no
+* a rank that sends no pending record, whose newest ``seq`` is behind the
+  stalled one and that sent no hook record for ``catching_up_s`` (one that
+  did is still completing collectives: catching up) never issued it. If its
+  host's own probe records go on (or no
   host's are known, as in the one-daemon lab), the rank is alive and stuck:
   ``hang``, with the collective (op, seq, step) in the evidence;
 * a host whose own probe records (``netdev``, ``flow``) stopped while another
@@ -16,9 +18,11 @@ who is missing:
   with no close or reset needed (a rank simply gone, records and all, is the
   same case);
 * when every rank is waiting, so nobody is behind, and every flow TCP has been
-  retransmitting on since the stall began touches one rank, that rank's host
-  is cut off (its peers resend into a dead link, and so does it): ``rank_lost``
-  for every rank on that host.
+  retransmitting on since the stall began touches one rank, and no bytes
+  crossed that rank's flows since the resends began, that rank's host is cut
+  off (its peers resend into a dead link, and so does it): ``rank_lost`` for
+  every rank on that host. Bytes still crossing say the link is lossy, not
+  dead: a network straggler, not a lost rank.
 
 A job that ends normally has nothing pending, so none of this can fire; nor
 once a rank is lost (its loss is the stall, the rest are its casualties). A hung
@@ -99,7 +103,7 @@ def judge_stall(
         r = lv.rank
         if r in lost or r in named or r in hung or r in waiting_set or lv.torn_peers:
             continue  # (a hung rank keeps its connections: a torn one is going down)
-        if newest.get(r, -1) < first.seq:
+        if newest.get(r, -1) < first.seq and t - lv.last_t >= cfg.catching_up_s:
             hung[r] = first.seq
             ev = {**ctx, "newest_seq": newest.get(r, -1)}
             out.append(Verdict(t, first.step, r, "flagged", "hang", stalled_s, lv.host, None, ev))
@@ -146,6 +150,11 @@ def _unreachable(
     (cut,) = common
     host = by_rank[cut].host if cut in by_rank else ""
     if not host:
+        return []
+    if any(cut in (a, b) for a, b, _ in stall.delivered):
+        # Bytes still cross its links while TCP resends: heavy loss, which
+        # slows the collective but is no cut (the network rule names it
+        # once the collective completes).
         return []
     ev = {**ctx, "unreachable": True, "retrans_flows": [list(f) for f in flows]}
     return [
