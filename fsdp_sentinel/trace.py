@@ -30,8 +30,8 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name}")
 
 
-def _json_loads(data: bytes) -> Any:  # pragma: no cover - the fallback
-    return json.loads(data, parse_constant=_reject_constant)
+def _json_loads(data: bytes | memoryview) -> Any:  # pragma: no cover - the fallback
+    return json.loads(bytes(data), parse_constant=_reject_constant)
 
 
 try:  # orjson parses a record ~4x faster than json; replay is parse-bound.
@@ -40,7 +40,7 @@ try:  # orjson parses a record ~4x faster than json; replay is parse-bound.
     # It also refuses what a trace must not hold: NaN and infinities (1e999
     # included), invalid UTF-8 and lone surrogates, and nesting past 1,024
     # levels (an error, not a RecursionError).
-    _loads: Callable[[bytes], Any] = orjson.loads
+    _loads: Callable[[bytes | memoryview], Any] = orjson.loads
     # And writes a decoded record ~14x faster than json (encode_decoded).
     _dumps_line: Callable[[Any], bytes] = partial(orjson.dumps, option=orjson.OPT_APPEND_NEWLINE)
 except ImportError:  # pragma: no cover - orjson is a dependency; json is the fallback
@@ -748,6 +748,20 @@ class _FrameLines:
         them: a whole marked frame whose length and checksum match its mark
         and whose content decoded (zstd checked the content against the
         checksum before any line is given); None for everything else."""
+        for text, token in self.frames():
+            if isinstance(text, bytes):
+                lines = text.splitlines(keepends=True)
+                self.took(len(lines))
+                yield lines, token
+            else:
+                yield text, token
+
+    def frames(self) -> Iterator[tuple[bytes | list[bytes], bytes | None]]:
+        """:meth:`batches`, but a vouched frame comes as its whole text (bytes,
+        every line ending in a newline), not split into lines: a reader that
+        trusts it can parse it in a few calls (:meth:`TraceReader.batches`).
+        Its lines are not counted here (that is a pass over every byte): the
+        reader says how many it took (:meth:`took`) before it asks for more."""
         import zstandard
 
         dctx = zstandard.ZstdDecompressor()
@@ -765,11 +779,10 @@ class _FrameLines:
                 if data.startswith(MARK_MAGIC[:1]):
                     marked, data = self._marked(fh, data, dctx)
                     if marked is not None:
-                        lines, token, used, data = marked
+                        text, token, used, data = marked
                         frame += 2  # the mark and its data frame
                         start += used
-                        self.lines += len(lines)
-                        yield lines, token
+                        yield text, token
                         continue
                 frame += 1
                 dobj = zstandard.ZstdDecompressor().decompressobj()
@@ -817,12 +830,16 @@ class _FrameLines:
                     yield [tail], None
                 start += used
 
+    def took(self, lines: int) -> None:
+        """A reader of :meth:`frames` took this many lines of a vouched frame."""
+        self.lines += lines
+
     @staticmethod
     def _marked(
         fh: Any, data: bytes, dctx: Any
-    ) -> tuple[tuple[list[bytes], bytes, int, bytes] | None, bytes]:
+    ) -> tuple[tuple[bytes, bytes, int, bytes] | None, bytes]:
         """The marked frame at the start of ``data`` (more read from ``fh`` as
-        needed) as (its lines, its token, the bytes it took, mark included, and
+        needed) as (its text, its token, the bytes it took, mark included, and
         the bytes after it), or None when ``data`` does not start with a mark
         whose frame holds; second, ``data`` with what was read onto it (when
         None, nothing of it was used: the caller reads it the ordinary way,
@@ -858,7 +875,7 @@ class _FrameLines:
             return None, data
         if len(text) != params.content_size or (text and not text.endswith(b"\n")):
             return None, data
-        return (text.splitlines(keepends=True), token, end, data[end:]), data
+        return (text, token, end, data[end:]), data
 
     @staticmethod
     def _resync(fh: Any, offset: int) -> tuple[int, bytes]:
@@ -930,14 +947,15 @@ class TraceReader:
 
     damaged_frames: list[tuple[int, int, str]] = field(default_factory=list)
 
-    #: A marked frame (~2,000 records) is parsed and given this many lines at
-    #: a time. Its records are consumed while they are still in the CPU's
-    #: caches, and the cyclic GC's young-generation passes (one per 700 new
-    #: containers) find a few hundred live records to walk instead of the
-    #: whole frame's: replay of the 300k bench trace ~6 % faster than whole
-    #: frames at the same instruction count (BENCHMARKS.md, "Replay speed,
-    #: the gap to the start explained").
-    PIECE: ClassVar[int] = 256
+    #: A marked frame (~2,000 records) is parsed and given about this many
+    #: bytes of it at a time (~250 of the daemon's records, the whole lines
+    #: that begin in them). Its records are consumed while they are still in
+    #: the CPU's caches, and the cyclic GC's young-generation passes (one per
+    #: 700 new containers) find a few hundred live records to walk instead of
+    #: the whole frame's: replay of the 300k bench trace ~6 % faster than
+    #: whole frames at the same instruction count (BENCHMARKS.md, "Replay
+    #: speed, the gap to the start explained").
+    PIECE_BYTES: ClassVar[int] = 48 << 10
 
     def __iter__(self) -> Iterator[Record]:
         # Flattened at C speed: a generator step per record cost more than the
@@ -959,31 +977,34 @@ class TraceReader:
         lineno = 0
         with _open_lines(self.path, self._damaged, self) as fh:
             if isinstance(fh, _FrameLines):
-                batches: Iterable[tuple[list[bytes], bytes | None]] = fh.batches()
+                batches: Iterable[tuple[bytes | list[bytes], bytes | None]] = fh.frames()
             else:  # a plain file, in pieces of about 64 KiB (memory stays flat)
                 batches = ((lines, None) for lines in iter(partial(fh.readlines, 1 << 16), []))
             try:
-                for lines, mark in batches:
-                    if mark is not None and mark == token:
+                for chunk, mark in batches:
+                    if isinstance(chunk, list):
+                        lines = chunk
+                    elif mark is None or mark != token:
+                        lines = chunk.splitlines(keepends=True)
+                        fh.took(len(lines))  # type: ignore[union-attr]
+                    else:
                         # Vouched for by our writer's check (the checksum held):
                         # parsed at C speed, the records given as they are, a
-                        # piece of PIECE lines at a time (see PIECE).
-                        rest = None
-                        piece = self.PIECE
-                        for j in range(0, len(lines), piece):
-                            part = lines if len(lines) <= piece else lines[j : j + piece]
-                            try:
-                                recs = list(map(loads, part))
-                            except ValueError:
-                                # Not what our writer writes: this piece and the
-                                # rest of the frame are checked line by line.
-                                rest = lines[j:]
-                                break
-                            lineno += len(recs)
-                            yield recs
-                        if rest is None:
+                        # piece at a time (see PIECE_BYTES), each piece's lines
+                        # read as one JSON array: no line split off on its own.
+                        for recs in _vouched_pieces(chunk, self.PIECE_BYTES):
+                            if isinstance(recs, list):
+                                lineno += len(recs)
+                                fh.took(len(recs))  # type: ignore[union-attr]
+                                yield recs
+                                continue
+                            # Not what our writer writes: this piece and the rest
+                            # of the frame are checked line by line.
+                            lines = chunk[recs:].splitlines(keepends=True)
+                            fh.took(len(lines))  # type: ignore[union-attr]
+                            break
+                        else:
                             continue
-                        lines = rest
                     good: list[Record] = []
                     try:
                         for lineno, raw in enumerate(lines, lineno + 1):  # noqa: B007, B020
@@ -1052,6 +1073,43 @@ class TraceReader:
         self.skipped += 1
         if len(self.skipped_lines) < 100:
             self.skipped_lines.append(lineno)
+
+
+def _vouched_pieces(text: bytes, size: int) -> Iterator[list[Record] | int]:
+    """A vouched frame's records, a piece of about ``size`` bytes of whole
+    lines at a time, each piece parsed as one JSON array (its newlines made
+    commas); or, where a piece does not parse so, the offset of that piece
+    (and no more pieces): the caller checks the rest line by line.
+
+    The writer's check vouches for one record a line, as it vouches for the
+    records themselves (they are given unchecked): a forged frame whose line
+    holds two values (``{..},{..}``) gives two records, as it could give any.
+    """
+    n = len(text)
+    pos = 0
+    loads = _loads
+    # The frame's text once, shifted one byte on, its newlines made commas: a
+    # piece text[pos:cut] is then the JSON array arr[pos:cut + 1] once the
+    # comma before it (or the lead byte) is made "[" and its last one "]".
+    arr = bytearray(b"[")
+    arr += text.replace(b"\n", b",")
+    view = memoryview(arr)
+    try:
+        while pos < n:
+            cut = text.find(b"\n", min(pos + size, n) - 1) + 1
+            arr[pos] = 0x5B  # [
+            arr[cut] = 0x5D  # ]
+            try:
+                recs = loads(view[pos : cut + 1])
+            except ValueError:
+                recs = None
+            if type(recs) is not list:
+                yield pos
+                return
+            yield recs
+            pos = cut
+    finally:
+        view.release()
 
 
 def read_trace(path: str | os.PathLike[str], strict: bool = True) -> Iterator[Record]:

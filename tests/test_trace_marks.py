@@ -246,13 +246,14 @@ def test_the_daemons_own_records_pass_the_schema_so_its_frames_are_marked(
 
 
 def test_a_marked_frame_is_given_in_pieces_and_one_that_fails_to_parse_is_checked_from_there(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from fsdp_sentinel.trace import _mark, header_token
 
+    size = 4096
+    monkeypatch.setattr(TraceReader, "PIECE_BYTES", size)
     path = tmp_path / "t.jsonl.zst"
-    piece = TraceReader.PIECE
-    n = 5 + 3 * piece + 100
+    n = 5 + 400
     now = [0.0]
     with TraceWriter(path, sync_interval=1.0, clock=lambda: now[0]) as w:
         for i in range(n):  # a first frame (the header, steps 0-5: the sync), then the rest
@@ -260,20 +261,29 @@ def test_a_marked_frame_is_given_in_pieces_and_one_that_fails_to_parse_is_checke
             if i == 4:
                 now[0] += 1.0
     sizes = [len(b) for b in TraceReader(path).batches()]
-    assert sizes == [7] + [piece] * 3 + [99]  # the first frame is checked: it has the header
+    assert sizes[0] == 7 and sum(sizes) == n + 1  # the first frame is checked: it has the header
     assert list(read_trace(path))[1:] == [step(i) for i in range(n)]
-
-    # The second frame behind a mark that holds (the file's token, the frame's
-    # own length and checksum), with a line no JSON parser takes in its third
-    # piece and a valid line with a bad value after it: what our writer cannot write.
     data = path.read_bytes()
     fs = frames(data)
     assert [m for _, _, m in fs] == [True, False, True, False]
     (moff, _, _), (off, end, _) = fs[2], fs[3]
+    lines = zstandard.ZstdDecompressor().decompress(data[off:end]).splitlines(keepends=True)
+    # The vouched frame in pieces of whole lines: each (but the last) the
+    # first that reach `size` bytes.
+    assert len(sizes) > 4
+    at = 0
+    for k in sizes[1:-1]:
+        held = sum(map(len, lines[at : at + k]))
+        assert size <= held < size + len(lines[at + k - 1])
+        at += k
+
+    # The second frame behind a mark that holds (the file's token, the frame's
+    # own length and checksum), with a line no JSON parser takes in its third
+    # piece and a valid line with a bad value after it: what our writer cannot write.
     token = header_token(next(read_trace(path)))
     assert token is not None
-    lines = zstandard.ZstdDecompressor().decompress(data[off:end]).splitlines(keepends=True)
-    bad_json, bad_value = 7 + 2 * piece + 10, 7 + 3 * piece + 5  # line numbers in the file
+    third = 7 + sizes[1] + sizes[2]  # the last line before the third piece, in the file
+    bad_json, bad_value = third + 10, third + sizes[3] + 5  # line numbers in the file
     lines[bad_json - 8] = b'{"kind": "step", "rank": \n'
     lines[bad_value - 8] = BAD
     frame = zstandard.ZstdCompressor(write_checksum=True).compress(b"".join(lines))
