@@ -15,8 +15,9 @@ import pytest
 
 from fsdp_sentinel import synth as S
 from fsdp_sentinel.correlate import Pending, RankLiveness, Stall, Summary
-from fsdp_sentinel.detect import DetectConfig
+from fsdp_sentinel.detect import DetectConfig, DetectState, detect
 from fsdp_sentinel.detect.stall import judge_stall
+from fsdp_sentinel.detect.state import NEW_TRACK
 from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.truth import judge
 
@@ -199,10 +200,37 @@ def test_a_link_that_still_carries_bytes_while_tcp_resends_is_lossy_not_cut(
     retrans = ((2, 1, 69), (2, 3, 45))
     got = ((*reader, 37_648),)
     s = summary(102.1, pend, newest, retrans=retrans, delivered=got)
-    assert judge_stall(s, {}, {}, CFG, 0.3) == ({}, {}, [])
+    lost, hung, out = judge_stall(s, {}, {}, CFG, 0.3)
+    assert lost == {} and hung == {}
+    # The link is the stall's cause: network on rank 2, priced by the stall.
+    (v,) = out
+    assert (v.rank, v.state, v.cause, v.step) == (2, "flagged", "network", 10)
+    ev = v.evidence
+    assert ev["lossy"] and ev["scope"] == "node" and ev["delivered"] == [[*reader, 37_648]]
+    assert (ev["job_step_s"], ev["baseline_step_s"]) == (2.1, 0.3)
     # Bytes that crossed other ranks' links say nothing about rank 2's.
     s2 = summary(102.1, pend, newest, retrans=retrans, delivered=((0, 1, 37_648),))
-    assert [v.rank for v in judge_stall(s2, {}, {}, CFG, 0.3)[2]] == [2]
+    assert [(v.rank, v.cause) for v in judge_stall(s2, {}, {}, CFG, 0.3)[2]] == [(2, "rank_lost")]
+
+
+def test_a_lossy_stall_opens_the_ranks_network_track_once() -> None:
+    # Through detect(): the verdict opens rank 2's network track (as the
+    # network rule's own flag would), and the next tick of the same stall
+    # says nothing more; an open verdict of another cause is not replaced.
+    pend = [waiting(r) for r in range(4)]
+    newest = {r: 40 for r in range(4)}
+    s = summary(102.1, pend, newest, retrans=((2, 1, 69), (2, 3, 45)), delivered=((1, 2, 9),))
+    cfg = DetectConfig()
+    rep = detect(s, DetectState(), cfg)
+    assert [(v.rank, v.cause) for v in rep.verdicts] == [(2, "network")]
+    tr = rep.state.tracks.get(2)
+    assert tr is not None and (tr.cause, tr.flagged_step, tr.bad, tr.clean) == (
+        "network", 10, cfg.persistence.flag_after, 0
+    )  # fmt: skip
+    again = detect(s._replace(t=102.6), rep.state, cfg)
+    assert again.verdicts == () and again.state.tracks.get(2) == tr
+    busy = DetectState(tracks={2: NEW_TRACK._replace(cause="compute", flagged_step=9)})
+    assert detect(s, busy, cfg).verdicts == ()
 
 
 def test_a_silent_host_needs_another_host_still_heard() -> None:

@@ -318,7 +318,6 @@ class LeaderDetector:
 
     def _ingest(self, windows: Sequence[Window]) -> list[Record]:
         corr = self.corr
-        top_seq = corr.top_seq
         recs: list[Any] = []  # records, and progress points (t, rank, step, seq)
         for w in windows:
             self.windows += 1
@@ -341,13 +340,6 @@ class LeaderDetector:
                 rs = corr.rank_of(rank)
                 if step >= 0 and (rs.first_step is None or step < rs.first_step):
                     rs.first_step = step
-                # Its newest seq counts from the round on, as a digest's do: a
-                # point is stamped with its window's newest record, so timed it
-                # would say the rank reached its seq only then, and a rank that
-                # finished a stalled collective early in the window would look
-                # behind it (never issued it: hung) until the point's time.
-                if seq > top_seq.get(rank, -1):
-                    top_seq[rank] = seq
                 # A progress point, fed as a record would be (LeaderPipeline.progress).
                 recs.append((t, rank, step, seq))
             for host, t, dt in w.heard:

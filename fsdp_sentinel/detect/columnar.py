@@ -90,6 +90,25 @@ def tracks_for(tracks: Tracks, n_ranks: int, cfg: DetectConfig) -> TrackColumns 
     return None
 
 
+def opened(tracks: Tracks, rank: int, cause: str, step: int, cfg: DetectConfig) -> Tracks | None:
+    """New tracks with ``rank``'s verdict for ``cause`` open as of ``step``, as
+    persistence leaves a flagged one (``flag_after`` bad windows, none clean);
+    None when the rank has an open verdict already (the tracks are not changed)."""
+    tr = tracks.get(rank)
+    if tr is not None and tr.cause is not None:
+        return None
+    now = (tr or NEW_TRACK)._replace(
+        bad=cfg.persistence.flag_after, clean=0, cause=cause, flagged_step=step
+    )
+    if isinstance(tracks, TrackColumns):
+        cols, rows = tracks.including(np.array([rank], dtype=np.int64))
+        cols.set_row(int(rows[0]), now)
+        return cols
+    out = dict(tracks)
+    out[rank] = now
+    return out
+
+
 def as_dict(tracks: Tracks) -> dict[int, RankTrack]:
     """The tracks as a dict of :class:`RankTrack` (a new one, to change)."""
     return tracks.as_dict() if isinstance(tracks, TrackColumns) else dict(tracks)

@@ -42,7 +42,17 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         lost_now, hung_now, stall_verdicts = stall.judge_stall(
             summary, lost_now, hung_now, cfg.stall, base, state.job_recent
         )
-        lost_verdicts.extend(stall_verdicts)
+        for v in stall_verdicts:
+            if v.cause == "network":
+                # A lossy link holding the job in a collective: a network
+                # verdict like the rule's own, so its track is opened and the
+                # network rule holds or clears it. Once open (the stall goes
+                # on, tick after tick), it is not said again.
+                opened = columnar.opened(state.tracks, v.rank, v.cause, v.step, cfg)
+                if opened is None:
+                    continue
+                state = replace(state, tracks=opened)
+            lost_verdicts.append(v)
     if summary.step is None:  # a clock tick: liveness only
         return Report(
             summary.t,

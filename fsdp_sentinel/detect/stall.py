@@ -1,4 +1,4 @@
-"""Rules ``hang`` and silent loss: who never arrived at a stalled collective (pure).
+"""Rules ``hang``, silent loss and a lossy link: why a collective stalled (pure).
 
 A collective that never completes shows in the trace only through the
 ``pending`` records of the ranks blocked in it (the hooks send one a second
@@ -22,7 +22,8 @@ who is missing:
   crossed that rank's flows since the resends began, that rank's host is cut
   off (its peers resend into a dead link, and so does it): ``rank_lost`` for
   every rank on that host. Bytes still crossing say the link is lossy, not
-  dead: a network straggler, not a lost rank.
+  dead: ``network`` on that rank, the stall's cause (``detect`` opens its
+  network track, which the network rule then holds or clears).
 
 A job that ends normally has nothing pending, so none of this can fire; nor
 once a rank is lost (its loss is the stall, the rest are its casualties). A hung
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fsdp_sentinel.correlate import Pending, RankLiveness, Stall, Summary
+from fsdp_sentinel.correlate import RankLiveness, Stall, Summary
 from fsdp_sentinel.detect.config import StallConfig
 from fsdp_sentinel.detect.stats import median
 from fsdp_sentinel.trace import Verdict
@@ -48,7 +49,9 @@ def judge_stall(
     base: float | None,
     recent: Sequence[float] = (),
 ) -> tuple[dict[int, float], dict[int, int], list[Verdict]]:
-    """Ranks hung or lost by this summary (and hangs cleared), and their verdicts.
+    """Ranks hung or lost by this summary (and hangs cleared), and their verdicts
+    (with a ``network`` one for a lossy link that stalls the job: not kept in
+    either map, ``detect`` opens its track).
 
     ``lost_before`` / ``hung_before`` are the ``lost`` rule's map (rank ->
     ``last_t`` when lost) and this rule's (rank -> the ``seq`` it never
@@ -108,7 +111,15 @@ def judge_stall(
             ev = {**ctx, "newest_seq": newest.get(r, -1)}
             out.append(Verdict(t, first.step, r, "flagged", "hang", stalled_s, lv.host, None, ev))
     if not gone and waiting_set >= {r for r in by_rank if r not in lost}:
-        gone = _unreachable(stall, first, by_rank, lost, ctx, cfg)
+        target = _resend_target(stall, by_rank, lost, cfg)
+        if target is not None:
+            rank, flows = target
+            resent: dict[str, object] = {"retrans_flows": [list(f) for f in flows]}
+            got = [list(d) for d in stall.delivered if rank in d[:2]]
+            if got:
+                out.append(_lossy(t, first.step, by_rank[rank], stalled_s, base, ctx, resent, got))
+            else:
+                gone = _cut_off(by_rank, rank, lost, {**ctx, "unreachable": True, **resent})
     for lv, ev in gone:
         lost[lv.rank] = lv.last_t
         hung.pop(lv.rank, None)
@@ -132,36 +143,62 @@ def _silent_hosts(stall: Stall, t: float, cfg: StallConfig) -> dict[str, float]:
     return quiet if fresh else {}
 
 
-def _unreachable(
-    stall: Stall,
-    first: Pending,
-    by_rank: dict[int, RankLiveness],
-    lost: dict[int, float],
-    ctx: dict[str, object],
-    cfg: StallConfig,
-) -> list[tuple[RankLiveness, dict[str, object]]]:
-    """Every rank waits: the host that every retransmitting flow touches is cut off."""
+def _resend_target(
+    stall: Stall, by_rank: dict[int, RankLiveness], lost: dict[int, float], cfg: StallConfig
+) -> tuple[int, list[tuple[int, int, int]]] | None:
+    """Every rank waits: the one rank every flow TCP resent on touches, and those flows."""
     flows = [(a, b, n) for a, b, n in stall.retrans if a not in lost and b not in lost]
     if len(flows) < 2 or sum(n for _, _, n in flows) < cfg.unreachable_retrans:
-        return []
+        return None
     common = set.intersection(*({a, b} for a, b, _ in flows))
     if len(common) != 1:
-        return []  # two ranks share every such flow (a 2-rank job): no telling which end
-    (cut,) = common
-    host = by_rank[cut].host if cut in by_rank else ""
-    if not host:
-        return []
-    if any(cut in (a, b) for a, b, _ in stall.delivered):
-        # Bytes still cross its links while TCP resends: heavy loss, which
-        # slows the collective but is no cut (the network rule names it
-        # once the collective completes).
-        return []
-    ev = {**ctx, "unreachable": True, "retrans_flows": [list(f) for f in flows]}
+        return None  # two ranks share every such flow (a 2-rank job): no telling which end
+    (rank,) = common
+    lv = by_rank.get(rank)
+    return (rank, flows) if lv is not None and lv.host else None
+
+
+def _cut_off(
+    by_rank: dict[int, RankLiveness], cut: int, lost: dict[int, float], ev: dict[str, object]
+) -> list[tuple[RankLiveness, dict[str, object]]]:
+    """Every rank on ``cut``'s host, lost: nothing crosses its links (see the module docstring)."""
+    host = by_rank[cut].host
     return [
         (lv, {**ev, "via_rank": cut} if lv.rank != cut else ev)
         for lv in by_rank.values()
         if lv.host == host and lv.rank not in lost
     ]
+
+
+def _lossy(
+    t: float,
+    step: int,
+    lv: RankLiveness,
+    stalled_s: float,
+    base: float | None,
+    ctx: dict[str, object],
+    resent: dict[str, object],
+    got: list[list[int]],
+) -> Verdict:
+    """``network`` on the rank whose lossy links hold every rank in a collective.
+
+    Its bytes still cross while TCP resends on its flows alone: a link losing
+    enough to stall the job, not a cut. Named now, not once the collective
+    completes (a heavy loss of a few seconds makes one step and no other).
+    The step is at least ``stalled_s`` long, so that prices it (a lower bound).
+    ``detect`` opens the rank's network track with it, and the network rule
+    holds or clears it from then on."""
+    ev = {
+        **ctx,
+        "scope": "node",
+        "by": "retrans",
+        "lossy": True,
+        **resent,
+        "delivered": got,
+        "job_step_s": round(stalled_s, 3),
+        "baseline_step_s": None if base is None else round(base, 4),
+    }
+    return Verdict(t, step, lv.rank, "flagged", "network", stalled_s, lv.host, None, ev)
 
 
 def _clear_hangs(
