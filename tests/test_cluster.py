@@ -12,15 +12,23 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fsdp_sentinel import synth as S
 from fsdp_sentinel import trace
 from fsdp_sentinel.cluster import summary as CS
-from fsdp_sentinel.cluster.leader import LeaderDetector, Liveness, decode_round, leader_of
+from fsdp_sentinel.cluster.leader import (
+    LeaderDetector,
+    Liveness,
+    decode_round,
+    leader_of,
+    seed_windows,
+)
 from fsdp_sentinel.cluster.node import NodeWindows
 from fsdp_sentinel.cluster.split import run_split, split_by_host
+from fsdp_sentinel.cluster.summary import Window
 from fsdp_sentinel.correlate import Correlator
 from fsdp_sentinel.detect.config import LostConfig
 from fsdp_sentinel.pipeline import Pipeline
@@ -145,6 +153,51 @@ def test_golden_capture_cut_by_host_gives_the_single_daemons_verdicts(path: Path
     assert scope == [
         (v["rank"], v.get("peer_rank")) for v in cluster if v["evidence"].get("scope") == "link"
     ]
+
+
+def test_a_leader_elected_long_after_the_daemons_began_calls_nobody_lost_unheard() -> None:
+    # Node daemons begin before the job: their windows reach back 8 s before
+    # any rank announces, and a first leader elected 6 s after the ranks did
+    # holds all of them. Seeded at its oldest window, every rank but the first
+    # to announce looked silent for 8 s, was called lost in the seed (whose
+    # verdicts are not said) and cleared aloud in the next round: "rank 1
+    # cleared at step 0" in a per-host demo. Seeded at the newest: nothing.
+    recs = [r for r in trace.read_trace(TRACES / "lab-clean.jsonl.zst") if r["kind"] != "header"]
+    ranks = [r for r in recs if r["kind"] == "rank"]
+    hosts = sorted({r["host"] for r in ranks})
+    announced = max(r["t"] for r in ranks)
+    t_first = min(trace.record_time(r) for r in recs)
+    early = [
+        {"kind": "netdev", "t": t_first - 8.0 + k * 0.5, "dt": 0.5, "host": h, "dev": "eth0",
+         "tx_bytes": 0, "rx_bytes": 0}
+        for k in range(16) for h in hosts
+    ]  # fmt: skip
+    nodes = {h: NodeWindows(h) for h in hosts}
+    windows: list[Any] = []
+    due = t_first - 8.0 + 0.5
+    for hs, r in split_by_host(early + recs):
+        if trace.record_time(r) > announced + 6.0:
+            break
+        for h in hs:
+            nodes[h].feed(r)
+        if trace.record_time(r) >= due:
+            windows += [nw.window() for nw in nodes.values()]
+            due += 0.5
+    by_node = {h: [r for r in ranks if r["host"] == h] for h in hosts}
+
+    det = LeaderDetector()
+    assert det.ingest(seed_windows(by_node, max(w.t for w in windows))) == []
+    assert det.ingest(windows) == []
+
+    old = LeaderDetector()  # the former seed: every rank alive at the oldest window
+    t0 = min(w.t for w in windows)
+    seeded = [
+        Window(h, -1, t0, tuple(rs), (), tuple((r["rank"], t0, -1, -1) for r in rs), ())
+        for h, rs in by_node.items()
+    ]
+    unheard = [v for v in old.ingest(seeded) if v["state"] == "flagged"]
+    assert len(unheard) == len(ranks) - 1  # all but the first to announce
+    assert {v["state"] for v in old.ingest(windows)} == {"cleared"}
 
 
 def _suite() -> list[tuple[str, S.Scenario]]:

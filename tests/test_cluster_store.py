@@ -39,6 +39,21 @@ def _flags(verdicts: list[dict]) -> list[tuple[int, int, str]]:
     return [(v["step"], v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged"]
 
 
+def _unflagged_clears(verdicts: list[dict]) -> list[dict]:
+    """Clears of a (rank, cause) with no open flag: what a user sees out of nowhere."""
+    opened: set[tuple[int, str]] = set()
+    out = []
+    for v in verdicts:
+        key = (v["rank"], v["cause"])
+        if v["state"] == "flagged":
+            opened.add(key)
+        elif key in opened:
+            opened.discard(key)
+        else:
+            out.append(v)
+    return out
+
+
 def _drive(
     recs: list[dict],
     port: int,
@@ -95,6 +110,7 @@ def test_node_daemons_through_a_real_tcpstore_agree_with_one_daemon(server, name
         assert [(r, c) for _, r, c in g] == [(r, c) for _, r, c in want], (node, g, want)
         assert all(abs(a[0] - b[0]) <= 1 for a, b in zip(g, want, strict=True))
         assert all(v["evidence"]["view"] == "cluster" for v in got)
+        assert _unflagged_clears(got) == [], node
     # Read windows and verdict batches are deleted: nothing piles up.
     left = [k for k in server.list_keys() if k.startswith("fsdp-sentinel/j1/w/")]
     assert len(left) <= len(agents), left

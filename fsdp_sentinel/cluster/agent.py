@@ -30,7 +30,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fsdp_sentinel.cluster.leader import LeaderDetector, Liveness, decode_round, leader_of
+from fsdp_sentinel.cluster.leader import (
+    LeaderDetector,
+    Liveness,
+    decode_round,
+    leader_of,
+    seed_windows,
+)
 from fsdp_sentinel.cluster.node import NodeWindows
 from fsdp_sentinel.cluster.store import ClusterStore, KVStore, StoreUnreachable, tcp_store
 from fsdp_sentinel.cluster.summary import Window, encode
@@ -241,13 +247,8 @@ class ClusterAgent:
             # A successor learns every rank from the nodes' rank records and
             # presumes each alive as it takes over (had one been lost, the
             # previous leader would have said so): silence is counted from now.
-            t0 = min((w.t for w in windows), default=0.0)
-            seed = []
-            for _, n in roster:
-                recs = tuple(store.rank_records(n))
-                alive = tuple((int(r["rank"]), t0, -1, -1) for r in recs)
-                seed.append(Window(n, -1, t0, recs, (), alive, ()))
-            det.ingest(seed)
+            now = max((w.t for w in windows), default=0.0)
+            det.ingest(seed_windows({n: store.rank_records(n) for _, n in roster}, now))
         det.set_dark(dark)
         return det.ingest(windows)
 

@@ -22,7 +22,7 @@ so rank 0's node leads) that is not dark.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
@@ -418,6 +418,25 @@ def _time(rec: Record) -> float:
     if t is None:
         t = rec.get("end")
     return t if type(t) is float or type(t) is int else record_time(rec)
+
+
+def seed_windows(rank_records: Mapping[str, Iterable[Record]], now: float) -> list[Window]:
+    """What a new leader ingests first: each node's rank records, and every rank
+    heard from, all at ``now`` (the newest window it holds).
+
+    At one instant, so no rank is silent against another before the nodes'
+    windows speak. Seeded at the round's oldest window instead, a first
+    leader elected seconds after the daemons began (their windows reach back
+    to before the job) met the ranks' own announcements seconds after the
+    seeded ones, called every rank but the first to announce lost, and
+    cleared them aloud at the next round (a seed's verdicts are not said).
+    """
+    out = []
+    for node, recs in rank_records.items():
+        got = tuple({**r, "t": now} for r in recs)
+        alive = tuple((int(r["rank"]), now, -1, -1) for r in got)
+        out.append(Window(node, -1, now, got, (), alive, ()))
+    return out
 
 
 def leader_of(roster: Sequence[tuple[int, str]], dark: Iterable[str]) -> str | None:
