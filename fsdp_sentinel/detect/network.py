@@ -483,6 +483,17 @@ def _retransmits(
             and b not in node
             and localised(on_link, link_bytes / all_bytes, _largest_sample(flows, a, b))
         ):
+            # The end that resent (nearly) all of them carries the case: its
+            # packets are the ones lost. A lossy host's losses fall on the
+            # link its ring traffic takes in one window and on all of its
+            # links in the next, so its link and node windows name the same
+            # rank, and persistence can count them together (named by its
+            # lower rank, the link window named the host's peer instead, and
+            # every other window flipped the candidate: regress-packet-loss-
+            # flipping-link-and-node). Resent both ways, the lower rank.
+            sent_b = sum(lost(p) for p in mine if p.rank == b)
+            if on_link and sent_b >= cfg.retrans_share * on_link:
+                a, b = b, a
             links.setdefault(a, (b, "retrans", on_link / total))
     return share, total
 
