@@ -1902,25 +1902,33 @@ class Correlator:
         delivered: list[tuple[int, int, int]] = []
         if pending:
             since = min(p.issue for p in pending)
+            pairs = sorted(self.pairs.items())
             # Only samples wholly inside the stall: retransmits of the moments
             # before it are the ordinary kind.
-            inside = {
-                key: [x for x in pair.samples if x[0] - x[1] >= since]
-                for key, pair in sorted(self.pairs.items())
-            }
+            resent = math.inf  # when the first resending sample inside it ended
+            for key, pair in pairs:
+                n = 0
+                for x in pair.samples:
+                    if x[5] and x[0] - x[1] >= since:
+                        n += x[5]
+                        if x[0] < resent:
+                            resent = x[0]
+                if n:
+                    retrans.append((key[0], key[1], n))
             # Bytes read once the first resending sample is over: those read
             # during it may be the last that crossed before a cut (a peer's
             # in-flight window arrives within a round trip, the first resend
             # comes an RTO, >= 200 ms, later). Another host's polls may lag
-            # this one's by up to half an interval.
-            resent = min((x[0] for xs in inside.values() for x in xs if x[5]), default=math.inf)
-            for key, xs in inside.items():
-                n = sum(x[5] for x in xs)
-                if n:
-                    retrans.append((key[0], key[1], n))
-                got = sum(x[3] for x in xs if x[0] - x[1] / 2 >= resent)
-                if got:
-                    delivered.append((key[0], key[1], got))
+            # this one's by up to half an interval. Nothing resent: no pass.
+            if retrans:
+                for key, pair in pairs:
+                    got = sum(
+                        x[3]
+                        for x in pair.samples
+                        if x[0] - x[1] >= since and x[0] - x[1] / 2 >= resent
+                    )
+                    if got:
+                        delivered.append((key[0], key[1], got))
         return Stall(tuple(pending), tuple(newest), heard, tuple(retrans), tuple(delivered))
 
     # ------------------------------------------------------------ views
