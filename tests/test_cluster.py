@@ -103,6 +103,18 @@ def test_digests_rebuild_the_correlators_rank_steps(aligned: bool, per_node: int
             assert g.last_frac == e.last_frac and g.wait_s == e.wait_s
     assert max(got, key=lambda rs: rs.late_s).rank == 2
     assert got[-1].rank == ranks and got[-1].n_coll == 0 and got[-1].step_s == 3.5
+    # A round read at once (each step's columns for every node together) is
+    # every window read alone, joined; and the leader's summary is the same.
+    blobs = [CS.encode(CS.Window(f"n{i}", 0, 1.0, (), (d,), (), ())) for i, d in enumerate(digests)]
+    rnd = CS.decode_round(blobs)
+    alone = CS.join_digests([CS.decode(b).digests[0] for b in blobs])
+    assert rnd.bad == 0 and list(rnd.steps) == [3]
+    assert _as_lists(rnd.steps[3]) == _as_lists(alone)
+    assert CS.rank_steps([rnd.steps[3]]) == CS.rank_steps([alone]) == got
+
+
+def _as_lists(d: CS.StepDigest) -> tuple:
+    return tuple(f if isinstance(f, (int, tuple)) else list(f) for f in d)
 
 
 def test_window_bytes_grow_with_ranks_not_with_collectives_per_node() -> None:
@@ -153,6 +165,9 @@ def test_golden_capture_cut_by_host_gives_the_single_daemons_verdicts(path: Path
     assert scope == [
         (v["rank"], v.get("peer_rank")) for v in cluster if v["evidence"].get("scope") == "link"
     ]
+    # Read back from the store's bytes (run_split's default) or handed over
+    # as the nodes made them: the leader says the very same.
+    assert run_split(recs, wire=False) == cluster
 
 
 def test_a_leader_elected_long_after_the_daemons_began_calls_nobody_lost_unheard() -> None:
@@ -330,8 +345,27 @@ def test_a_window_that_is_not_one_is_a_clear_error() -> None:
         with pytest.raises(ValueError, match="not a cluster window"):
             CS.decode(bad)
     # The leader's round: a bad window is left out alone and counted.
-    windows, n_bad = decode_round([good, good[:-1], b"\xff", good])
-    assert n_bad == 2 and [list(w.digests[0].ranks) for w in windows] == [[0, 1, 2]] * 2
+    rnd = decode_round([good, good[:-1], b"\xff", good])
+    assert rnd.bad == 2 and [w.node for w in rnd.windows] == ["n", "n"]
+    assert list(rnd.steps) == [0] and list(rnd.steps[0].ranks) == [0, 1, 2] * 2
+    # Columns that do not agree are found in the round too (read window by
+    # window then): a group out of range, a count its group does not have, last
+    # positions that do not add up or lie outside the keys.
+    ix = list(d.last_ix)
+    wrongs: list[dict[str, Any]] = [
+        {"group": [0, 0, 5]},
+        {"group": [0, 0, -2]},
+        {"n_coll": [3, 3, 2]},
+        {"last_n": [n + 1 for n in d.last_n]},
+        {"last_ix": ix[:-1] + [7]},
+        {"last_ix": ix[:-1] + [-1]},
+    ]
+    for wrong in wrongs:
+        bad = CS.encode(CS.Window("n", 0, 0.0, (), (d._replace(**wrong),), (), ()))
+        with pytest.raises(ValueError, match="not a cluster window"):
+            CS.decode(bad)
+        rnd = decode_round([good, bad, good])
+        assert rnd.bad == 1 and list(rnd.steps[0].ranks) == [0, 1, 2] * 2, wrong
 
 
 def test_rank_records_name_the_jobs_store_from_torchruns_environment() -> None:

@@ -33,6 +33,7 @@ from typing import Any
 from fsdp_sentinel.cluster.leader import (
     LeaderDetector,
     Liveness,
+    collector_held,
     decode_round,
     leader_of,
     seed_windows,
@@ -231,12 +232,27 @@ class ClusterAgent:
         beats: dict[str, int],
         dark: frozenset[str],
     ) -> list[Record]:
-        # Read from the store first, then decoded at once (decode_round holds
-        # the collector off for the whole round).
+        # Read from the store first, then decoded and judged with the cyclic
+        # collector held off for the whole round (collector_held).
         blobs = [b for _, n in roster if n in beats for b in store.take_windows(n, beats[n])]
-        windows, bad = decode_round(blobs)
-        self.stats["windows_malformed"] += bad
-        self.stats["leader_windows"] += len(windows)
+        with collector_held():
+            out = self._judge_round(store, roster, blobs, dark)
+        return out
+
+    def _judge_round(
+        self,
+        store: ClusterStore,
+        roster: list[tuple[int, str]],
+        blobs: list[bytes],
+        dark: frozenset[str],
+    ) -> list[Record]:
+        # The round's windows live only in this frame: freed when it returns,
+        # before the collector is back on, so its first young pass walks only
+        # what the round kept (at 16k ranks the windows alone are thousands
+        # of containers, walked for nothing).
+        rnd = decode_round(blobs)
+        self.stats["windows_malformed"] += rnd.bad
+        self.stats["leader_windows"] += len(rnd.windows)
         det = self.detector
         if det is None:
             det = self.detector = LeaderDetector(self.config)
@@ -247,10 +263,10 @@ class ClusterAgent:
             # A successor learns every rank from the nodes' rank records and
             # presumes each alive as it takes over (had one been lost, the
             # previous leader would have said so): silence is counted from now.
-            now = max((w.t for w in windows), default=0.0)
+            now = max((w.t for w in rnd.windows), default=0.0)
             det.ingest(seed_windows({n: store.rank_records(n) for _, n in roster}, now))
         det.set_dark(dark)
-        return det.ingest(windows)
+        return det.ingest(rnd)
 
     def cluster_view(self) -> ClusterView:
         """This node's part, for the snapshot (and the ``cluster_*`` metrics)."""

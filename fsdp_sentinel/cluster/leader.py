@@ -24,19 +24,20 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from fsdp_sentinel.cluster.summary import (
+    Round,
     StepDigest,
     Window,
-    decode,
     group_top_seqs,
+    join_digests,
+    newest_end,
     rank_steps,
-    step_times,
 )
+from fsdp_sentinel.cluster.summary import decode_round as summary_decode_round
 from fsdp_sentinel.correlate import (
     Correlator,
     LivenessColumns,
@@ -51,7 +52,6 @@ from fsdp_sentinel.rankstep import StepRanks, none_if_nan
 from fsdp_sentinel.trace import record_time
 
 Record = dict[str, Any]
-_RANK_OF = attrgetter("rank")
 
 #: The leader's caps: it keeps every rank of the job (the single daemon's
 #: defaults stop at 4,096 ranks and hosts), up to 131,072, and a flow matrix
@@ -88,25 +88,37 @@ class LeaderCorrelator(Correlator):
         self.digests.setdefault(d.step, []).append(d)
         self.malformed += d.malformed
         step = d.step
-        top = self.top_seq
-        tops = group_top_seqs(d)
-        ranks = self.ranks
-        for rank, n, g in zip(d.ranks, d.n_coll, d.group, strict=True):
-            rs = ranks.get(rank) or self.rank_of(rank)
+        states = self._states(d.ranks)
+        for rs in states:
             if rs.first_step is None or step < rs.first_step:
                 rs.first_step = step
+        # Ranks with collectives: their newest step and seq (a group's seq is
+        # every member's: they issued the same keys).
+        tops = group_top_seqs(d)
+        top = self.top_seq
+        busy = False
+        for rs, n, g in zip(states, d.n_coll, d.group, strict=True):
             if not n:
                 continue
+            busy = True
             if step > rs.max_coll_step:
                 rs.max_coll_step = step
             seq = tops[g]
-            if seq > top.get(rank, -1):
-                top[rank] = seq
-        if step > self.max_coll_step and any(d.n_coll):
+            if seq > top.get(rs.rank, -1):
+                top[rs.rank] = seq
+        if busy and step > self.max_coll_step:
             self.max_coll_step = step
 
+    def _states(self, ranks: Iterable[int]) -> list[Any]:
+        """The states of ``ranks`` (made for any not yet known), in order."""
+        get = self.ranks.get
+        states = [get(r) for r in ranks]
+        if None in states:
+            states = [rs or self.rank_of(r) for r, rs in zip(ranks, states, strict=True)]
+        return states
+
     def add_step(self, rec: Record) -> tuple[Any, int]:
-        """A ``step`` record; one that carries a node's digest files all its ranks' at once."""
+        """A ``step`` record; one that carries a digest files all its ranks' at once."""
         d: StepDigest | None = rec.get("digest")
         if d is None:
             return super().add_step(rec)
@@ -114,7 +126,7 @@ class LeaderCorrelator(Correlator):
         filed = self.step_filed.setdefault(step, set())
         before = len(filed)
         states = self.note_digest(d)
-        filed.update(map(_RANK_OF, states))
+        filed.update(rs.rank for rs in states)
         rs: Any = states[-1] if states else None
         if len(filed) > before:
             self._reports[step] = self._reports.get(step, 0) + len(filed) - before
@@ -122,10 +134,16 @@ class LeaderCorrelator(Correlator):
 
     def note_digest(self, d: StepDigest) -> list[Any]:
         """:meth:`~Correlator.note_steps` for every step record in ``d``; their ranks' states."""
-        ranks = self.ranks
-        timed = [(r, e) for r, _start, e in step_times(d)]
-        states = [ranks.get(r) or self.rank_of(r) for r, _ in timed]
-        self.note_steps(d.step, zip(states, [e for _, e in timed], strict=True))
+        end = np.asarray(d.end, dtype=np.float64)
+        timed = end == end  # NaN: no step record
+        if timed.all():
+            ranks, ends = d.ranks, d.end
+        else:
+            at = np.flatnonzero(timed)
+            ranks = np.asarray(d.ranks)[at].tolist()
+            ends = end[at].tolist()
+        states = self._states(ranks)
+        self.note_steps(d.step, zip(states, ends, strict=True))
         return states
 
     def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
@@ -273,6 +291,15 @@ class LeaderPipeline(Pipeline):
         self.lcorr.add_progress(rec["rank"], rec["t"], rec["step"], rec["seq"])
         return self._clock_to(rec["t"])
 
+    def clock(self, t: float) -> list[Record]:
+        """``feed`` of a ``clock`` record at ``t``, without the record (one per node
+        per window: 2,048 a round at 16k ranks)."""
+        if not t <= self._horizon:  # past the stream's horizon (or NaN): the guard's
+            return list(self.feed({"kind": "clock", "t": t}))
+        totals = self._totals
+        totals["clock"] = totals.get("clock", 0) + 1
+        return self._clock_to(t)
+
     def progress(self, t: float, rank: int, step: int, seq: int) -> list[Record]:
         """``feed`` of a ``progress`` record with these fields, without the record:
         the leader gets one per rank per window (16k a window at 16k ranks)."""
@@ -312,27 +339,45 @@ class LeaderDetector:
         self.corr.dark_ranks = frozenset(r for n in dark for r in self.node_ranks.get(n, ()))
         self.corr.dark_hosts = frozenset(h for n in dark for h in self.node_hosts.get(n, ()))
 
-    def ingest(self, windows: Sequence[Window]) -> list[Record]:
+    def ingest(self, windows: Sequence[Window] | Round) -> list[Record]:
+        """One round: windows as nodes made them, or as :func:`decode_round` read
+        them from the store (each step's digests already joined)."""
         with collector_held():
-            return self._ingest(windows)
+            if isinstance(windows, Round):
+                return self._ingest(windows.windows, windows.steps)
+            return self._ingest(windows, None)
 
-    def _ingest(self, windows: Sequence[Window]) -> list[Record]:
+    def _ingest(
+        self, windows: Sequence[Window], joined: Mapping[int, StepDigest] | None
+    ) -> list[Record]:
         corr = self.corr
-        recs: list[Any] = []  # records, and progress points (t, rank, step, seq)
+        # records, progress points (t, rank, step, seq), and node clocks (t)
+        recs: list[Any] = []
+        # A round's digests of one step, every node's, are filed as one
+        # (summary.join_digests): the round's step records of the step as one
+        # record at the newest one's end, when the last of them would have
+        # come. Each rank is still noted at its own end. A node at a time,
+        # the filing cost a node's worth of Python each (2,048 a round at
+        # 16k ranks), and its records were late if the step's summary came
+        # between two nodes' records of one round.
+        if joined is None:
+            by_step: dict[int, list[StepDigest]] = {}
+            for w in windows:
+                for d in w.digests:
+                    by_step.setdefault(d.step, []).append(d)
+            joined = {step: join_digests(ds) for step, ds in by_step.items()}
+        for d in joined.values():
+            corr.add_digest(d)
+            end = newest_end(d)
+            if end is not None:
+                recs.append(
+                    {"kind": "step", "rank": d.ranks[0], "step": d.step, "start": end,
+                     "end": end, "digest": d}
+                )  # fmt: skip
         for w in windows:
             self.windows += 1
             ranks = self.node_ranks.setdefault(w.node, set())
             hosts = self.node_hosts.setdefault(w.node, set())
-            for d in w.digests:
-                corr.add_digest(d)
-                # The node's step records of the step, as one record at the
-                # newest one's end (when the last of them would have come).
-                ends = [e for e in d.end if e == e]
-                if ends:
-                    recs.append(
-                        {"kind": "step", "rank": d.ranks[0], "step": d.step, "start": max(ends),
-                         "end": max(ends), "digest": d}
-                    )  # fmt: skip
             for rank, t, step, seq in w.progress:
                 ranks.add(rank)
                 # Known from its window on, as a single daemon knows a rank
@@ -354,12 +399,14 @@ class LeaderDetector:
                     ranks.add(rec["rank"])
                     hosts.add(rec["host"])
             recs.extend(w.records)
-            recs.append({"kind": "clock", "t": w.t})
+            recs.append(float(w.t))
         recs.sort(key=_when)
         out: list[Record] = []
-        feed, progress = self.pipeline.feed, self.pipeline.progress
+        pipe = self.pipeline
+        feed, progress, clock = pipe.feed, pipe.progress, pipe.clock
         for rec in recs:
-            said = progress(*rec) if type(rec) is tuple else feed(rec)
+            kind = type(rec)
+            said = clock(rec) if kind is float else progress(*rec) if kind is tuple else feed(rec)
             if said:
                 out.extend(said)
         for v in out:
@@ -390,25 +437,22 @@ def collector_held() -> Iterator[None]:
             gc.enable()
 
 
-def decode_round(blobs: Iterable[bytes]) -> tuple[list[Window], int]:
-    """Every packed window of one round (:func:`~fsdp_sentinel.cluster.summary.decode`),
-    with the collector held off (:func:`collector_held`), and how many blobs
-    were not windows (each left out alone: the others still count)."""
-    out: list[Window] = []
-    bad = 0
+def decode_round(blobs: Iterable[bytes]) -> Round:
+    """Every packed window of one round, each step's digests joined
+    (:func:`~fsdp_sentinel.cluster.summary.decode_round`), with the collector
+    held off (:func:`collector_held`); a blob that is not a window is left out
+    alone and counted (``Round.bad``): the others still count."""
     with collector_held():
-        for b in blobs:
-            try:
-                out.append(decode(b))
-            except ValueError:
-                bad += 1
-    return out, bad
+        return summary_decode_round(blobs)
 
 
-def _when(item: Record | tuple[float, int, int, int]) -> float:
-    """Where a window's record, or progress point ``(t, rank, step, seq)``, goes on
-    the time line."""
-    return item[0] if type(item) is tuple else _time(item)  # type: ignore[arg-type]
+def _when(item: Record | tuple[float, int, int, int] | float) -> float:
+    """Where a window's record, progress point ``(t, rank, step, seq)`` or clock
+    goes on the time line."""
+    kind = type(item)
+    if kind is float:
+        return item  # type: ignore[return-value]
+    return item[0] if kind is tuple else _time(item)  # type: ignore[index,arg-type]
 
 
 def _time(rec: Record) -> float:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from fsdp_sentinel.cluster.leader import LeaderDetector
+from fsdp_sentinel.cluster.leader import LeaderDetector, decode_round
 from fsdp_sentinel.cluster.node import NodeWindows
+from fsdp_sentinel.cluster.summary import Window, encode
 from fsdp_sentinel.detect import DetectConfig
 
 Record = dict[str, Any]
@@ -60,9 +61,11 @@ def run_split(
     interval_s: float = 0.5,
     config: DetectConfig | None = None,
     leader: LeaderDetector | None = None,
+    wire: bool = True,
 ) -> list[Record]:
     """The leader's verdicts for ``records`` cut by host into node windows (no store:
-    the windows go straight to the leader, as the store would hand them over)."""
+    each round's windows go straight to the leader, packed and read back as
+    the store would hand them over; ``wire=False``: as the nodes made them)."""
     recs = list(records)
     nodes: dict[str, NodeWindows] = {}
     det = leader if leader is not None else LeaderDetector(config)
@@ -80,7 +83,16 @@ def run_split(
         if due is None:
             due = now + interval_s
         elif now >= due:
-            out.extend(det.ingest([nw.window() for nw in nodes.values()]))
+            out.extend(_hand_over(det, [nw.window() for nw in nodes.values()], wire))
             due = now + interval_s
-    out.extend(det.ingest([nw.window() for nw in nodes.values()]))
+    out.extend(_hand_over(det, [nw.window() for nw in nodes.values()], wire))
     return out
+
+
+def _hand_over(det: LeaderDetector, windows: list[Window], wire: bool) -> list[Record]:
+    if not wire:
+        return det.ingest(windows)
+    rnd = decode_round([encode(w) for w in windows])
+    if rnd.bad:
+        raise RuntimeError(f"{rnd.bad} of the nodes' own windows did not read back")
+    return det.ingest(rnd)

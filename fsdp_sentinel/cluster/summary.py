@@ -40,7 +40,7 @@ from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from functools import reduce
 from itertools import chain
-from operator import add, itemgetter, le
+from operator import add, attrgetter, itemgetter, le
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -181,6 +181,71 @@ def digest_step(
     )
 
 
+def join_digests(digests: Sequence[StepDigest]) -> StepDigest:
+    """Several nodes' digests of one step as one: their columns end to end,
+    every node's key groups kept and a rank's group index moved past the
+    groups of the nodes before its own.
+
+    :func:`rank_steps` of the joined digest is :func:`rank_steps` of the list
+    (the same groups, the same figures); the leader files a round's step in
+    one go this way rather than a node at a time (2,048 nodes a round at 16k
+    ranks). Its ranks are in node order, each node's ascending.
+    """
+    if len(digests) == 1:
+        return digests[0]
+    sizes = [len(d.ranks) for d in digests]
+    offsets = np.cumsum([0] + [len(d.groups) for d in digests[:-1]])
+    group = _joined(digests, "group", np.int64)
+    group = np.where(group >= 0, group + np.repeat(offsets, sizes), -1)
+    floats = {n: _column(_joined(digests, n, np.float64), "d") for n in _FLOAT_COLUMNS}
+    ints = {n: _column(_joined(digests, n, np.int64), "i") for n in _INT_COLUMNS}
+    return StepDigest(
+        step=digests[0].step,
+        groups=tuple(g for d in digests for g in d.groups),
+        group=_column(group, "i"),
+        malformed=sum(d.malformed for d in digests),
+        **floats,
+        **ints,
+    )
+
+
+_FLOAT_COLUMNS = ("wait_s", "total_wait", "start", "end")
+_INT_COLUMNS = ("ranks", "n_coll", "last_n", "last_ix")
+
+
+def _joined(digests: Sequence[StepDigest], name: str, kind: type) -> np.ndarray:
+    """Every digest's column ``name`` end to end as ``kind``, in one conversion
+    (per digest, a node's few ranks, numpy's call would cost more than its
+    values). Decoded digests hold arrays, whose bytes join; a node's own hold
+    lists."""
+    cols = list(map(attrgetter(name), digests))
+    types = set(map(type, cols))
+    if len(types) == 1 and (array in types or memoryview in types):
+        codes = set(map(_TYPECODE if array in types else _FORMAT, cols))
+        if len(codes) == 1:
+            raw = np.frombuffer(b"".join(cols), dtype=_NP_OF[codes.pop()])
+            return raw.astype(kind, copy=False)
+    return np.array(list(chain.from_iterable(cols)), dtype=kind)
+
+
+_TYPECODE, _FORMAT = attrgetter("typecode"), attrgetter("format")
+
+
+def _column(values: np.ndarray, code: str) -> array:  # type: ignore[type-arg]
+    """A joined column as a decoded digest holds one (an array of Python
+    numbers: ``"d"`` float64 or ``"i"`` int32), so every reader takes it alike."""
+    out = array(code)
+    out.frombytes(values.astype(_NP_OF[code], copy=False).tobytes())
+    return out
+
+
+def newest_end(d: StepDigest) -> float | None:
+    """The newest end among ``d``'s step records (None: it has none)."""
+    end = np.asarray(d.end, dtype=np.float64)
+    timed = end[end == end]  # NaN: no step record
+    return float(timed.max()) if len(timed) else None
+
+
 def step_times(d: StepDigest) -> Iterable[tuple[int, float, float]]:
     """``(rank, start, end)`` of every step record in ``d``."""
     return ((r, s, e) for r, s, e in zip(d.ranks, d.start, d.end, strict=True) if e == e)
@@ -208,10 +273,12 @@ def rank_steps(digests: Sequence[StepDigest]) -> Sequence[RankStep]:
         longest = list(map(max, zip(*[g.longest for g in groups], strict=True)))
         shortest = list(map(min, zip(*[g.shortest for g in groups], strict=True)))
         top = reduce(add, longest, 0.0)
+        if sum(len(d.ranks) for d in digests) >= correlate.COLUMNAR_RANKS:
+            # A row a group: its keys where its last-to-arrive arrived last job-wide.
+            table = np.array([g.shortest for g in groups]) <= np.array(shortest)
+            return _aligned_columns(digests, table, top)
         # Per key: did a node's last-to-arrive arrive last job-wide too?
         hits = [[list(map(le, g.shortest, shortest)) for g in d.groups] for d in digests]
-        if sum(len(d.ranks) for d in digests) >= correlate.COLUMNAR_RANKS:
-            return _aligned_columns(digests, hits, top)
         for d, hit in zip(digests, hits, strict=True):
             _aligned(d, hit, top, out)
     else:
@@ -224,24 +291,13 @@ def rank_steps(digests: Sequence[StepDigest]) -> Sequence[RankStep]:
 _NP_OF: dict[str, Any] = {"d": np.float64, "i": np.int32, "q": np.int64}
 
 
-def _aligned_columns(
-    digests: Sequence[StepDigest], hits: list[list[list[bool]]], top: float
-) -> StepRanks:
+def _aligned_columns(digests: Sequence[StepDigest], table: np.ndarray, top: float) -> StepRanks:
     """:func:`_aligned` over every node's digest at once, as columns: the same
     subtractions, ``max(0.0, x)`` and divisions, and each rank's count of
     collectives it arrived last at is an integer sum."""
 
     def col(name: str, kind: type) -> np.ndarray:
-        # One conversion of every node's column: per digest (a node's few
-        # ranks) numpy's call would cost more than its values. Decoded digests
-        # hold arrays, whose bytes join; a node's own hold lists.
-        cols = [getattr(d, name) for d in digests]
-        if all(type(c) is array for c in cols):
-            code = cols[0].typecode
-            if all(c.typecode == code for c in cols):
-                raw = np.frombuffer(b"".join(cols), dtype=_NP_OF[code])
-                return raw.astype(kind, copy=False)
-        return np.array(list(chain.from_iterable(cols)), dtype=kind)
+        return _joined(digests, name, kind)
 
     ranks = col("ranks", np.int64)
     wait = col("wait_s", np.float64)
@@ -251,10 +307,8 @@ def _aligned_columns(
     last_n = col("last_n", np.int64)
     # Each rank's "last" positions, looked up in its node group's hits (every
     # group has the same keys here, so the hits are one table, a row a group).
-    offsets = np.cumsum([0] + [len(h) for h in hits[:-1]])
+    offsets = np.cumsum([0] + [len(d.groups) for d in digests[:-1]])
     group = col("group", np.int64) + np.repeat(offsets, [len(d.ranks) for d in digests])
-    flat = [g for h in hits for g in h]
-    table = np.array(flat, dtype=np.int64) if flat else np.zeros((1, 1), dtype=np.int64)
     owner = np.repeat(np.arange(len(ranks)), last_n)
     ix = col("last_ix", np.int64)
     last = np.bincount(owner, weights=table[group[owner], ix], minlength=len(ranks))
@@ -369,8 +423,19 @@ def _keys_out(keys: Sequence[Any]) -> Any:
 
 def _keys_in(obj: Any) -> tuple[Any, ...]:
     if isinstance(obj, dict):
-        return tuple(range(int(obj["from"]), int(obj["from"]) + int(obj["n"])))
+        span = (int(obj["from"]), int(obj["n"]))
+        keys = _RUNS.get(span)
+        if keys is None:
+            if len(_RUNS) >= 4096:
+                _RUNS.clear()
+            keys = _RUNS[span] = tuple(range(span[0], span[0] + span[1]))
+        return keys
     return tuple(tuple(k) if isinstance(k, list) else k for k in obj)
+
+
+#: Runs of consecutive seqs already read, as tuples (every node of a round
+#: sends the same run: one tuple serves them all, and compares by identity).
+_RUNS: dict[tuple[int, int], tuple[int, ...]] = {}
 
 
 def _pack(code: str, values: Iterable[Any]) -> bytes:
@@ -380,31 +445,34 @@ def _pack(code: str, values: Iterable[Any]) -> bytes:
     return a.tobytes()
 
 
-class _Reader:
-    """Columns read one after another from a packed window's body."""
+def _values(view: memoryview, code: str) -> Sequence[Any]:
+    """The values of a column's bytes (``code``: ``"d"`` float64, ``"i"`` int32):
+    a view of the window's bytes (its values Python numbers, its bytes joined
+    with the other nodes' columns by the leader without a value each); a
+    swapped copy on a big-endian machine."""
+    if not _SWAP:
+        return view.cast(code)  # type: ignore[call-overload]
+    a = array(code)
+    a.frombytes(view)
+    a.byteswap()
+    return a
 
-    def __init__(self, data: bytes, at: int) -> None:
-        self.view = memoryview(data)
-        self.at = at
 
-    def take(self, code: str, n: int) -> array:  # type: ignore[type-arg]
-        """The next ``n`` values as an array (a sequence of Python numbers that
-        the leader joins with the other nodes' columns without a value each)."""
-        a = array(code)
-        end = self.at + n * a.itemsize
-        if end > len(self.view):
-            raise ValueError("a column runs past the end")
-        a.frombytes(self.view[self.at : end])
-        if _SWAP:
-            a.byteswap()
-        self.at = end
-        return a
+#: struct.Struct of n little-endian float64s, by n (a group's extremes).
+_EXTREMES: dict[int, struct.Struct] = {}
+
+
+def _extremes(data: bytes, at: int, n: int) -> tuple[float, ...]:
+    s = _EXTREMES.get(n)
+    if s is None:
+        s = _EXTREMES[n] = struct.Struct(f"<{n}d")
+    return s.unpack_from(data, at)  # struct.error when the bytes run short
 
 
 def _check(
     groups: list[KeyGroup],
-    n_coll: array,  # type: ignore[type-arg]
-    group: array,  # type: ignore[type-arg]
+    n_coll: Any,
+    group: Sequence[int],
     last_n: Sequence[int],
     ix: Sequence[int],
 ) -> None:
@@ -414,7 +482,7 @@ def _check(
         raise ValueError("a digest's columns do not agree")
     sizes = [len(g.keys) for g in groups]
     # Each rank's group's size (index -1, no group: the 0 at the end), in C.
-    if array(n_coll.typecode, map((sizes + [0]).__getitem__, group)) != n_coll:
+    if list(map((sizes + [0]).__getitem__, group)) != n_coll.tolist():
         raise ValueError("a rank's collectives and its group do not agree")
     if ix and (min(ix) < 0 or max(ix) >= max(sizes)):
         raise ValueError("a last position outside its group's keys")
@@ -456,54 +524,210 @@ def encode(w: Window) -> bytes:
 
 
 def decode(data: bytes) -> Window:
-    """A window back from :func:`encode`'s bytes; ValueError when they are not one."""
+    """A window back from :func:`encode`'s bytes; ValueError when they are not one.
+
+    Its digests' columns are views of ``data`` (no value copied)."""
     try:
-        magic, n_head = _HEAD.unpack_from(data)
-        if magic != MAGIC:
-            raise ValueError(f"not a packed window (starts {bytes(data[:4])!r})")
-        o = orjson.loads(data[_HEAD.size : _HEAD.size + n_head])
-        body = _Reader(data, _HEAD.size + n_head)
-        digests = []
-        for d in o["digests"]:
-            groups = []
-            for keys, n_keys, size in d["groups"]:
-                k = _keys_in(keys)
-                if len(k) != int(n_keys):
-                    raise ValueError("a group's keys and extremes differ in length")
-                hi, lo = body.take("d", len(k)), body.take("d", len(k))
-                groups.append(KeyGroup(k, tuple(hi), tuple(lo), int(size)))
-            n = int(d["n"])
-            f, i = body.take("d", 4 * n), body.take("i", 4 * n)
-            wait, total, start, end = f[:n], f[n : 2 * n], f[2 * n : 3 * n], f[3 * n :]
-            ranks, n_coll, group, last_n = i[:n], i[n : 2 * n], i[2 * n : 3 * n], i[3 * n :]
-            last_ix = body.take("i", int(d["ix"]))
-            _check(groups, n_coll, group, last_n, last_ix)
-            digests.append(
-                StepDigest(
-                    int(d["step"]),
-                    tuple(groups),
-                    ranks,
-                    wait,
-                    total,
-                    n_coll,
-                    group,
-                    start,
-                    end,
-                    last_n,
-                    last_ix,
-                    int(d["bad"]),
-                )  # fmt: skip
-            )
-        if body.at != len(data):
-            raise ValueError(f"{len(data) - body.at} bytes past the last column")
-        return Window(
-            str(o["node"]),
-            int(o["seq"]),
-            float(o["t"]),
-            tuple(o["records"]),
-            tuple(digests),
-            tuple((int(r), float(t), int(s), int(q)) for r, t, s, q in o["progress"]),
-            tuple((str(h), float(t), float(dt)) for h, t, dt in o["heard"]),
-        )
+        w, found = _head_and_parts(data)
+        return w._replace(digests=tuple(_digest(step, part) for step, part in found))
     except (ValueError, struct.error, KeyError, TypeError, IndexError) as e:  # JSON's too
         raise ValueError(f"not a cluster window: {e}") from e
+
+
+def _digest(step: int, p: _Part) -> StepDigest:
+    """One node's digest from its place in the window, its columns checked."""
+    n = p.n
+    f, i = _values(p.floats, "d"), _values(p.ints, "i")
+    n_coll, group, last_n, last_ix = i[n : 2 * n], i[2 * n : 3 * n], i[3 * n : 4 * n], i[4 * n :]
+    _check(list(p.groups), n_coll, group, last_n, last_ix)
+    return StepDigest(
+        step, p.groups, i[:n], f[:n], f[n : 2 * n], n_coll, group, f[2 * n : 3 * n], f[3 * n :],
+        last_n, last_ix, p.malformed,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------ a round at once
+
+
+class Round(NamedTuple):
+    """One round of packed windows read together (:func:`decode_round`).
+
+    ``windows``: each node's window without its digests; ``steps``: per step,
+    every node's digest of it joined (:func:`join_digests`: node order, a
+    rank's group index past the nodes' before); ``bad``: blobs that were not
+    windows, each left out alone.
+    """
+
+    windows: list[Window]
+    steps: dict[int, StepDigest]
+    bad: int
+
+
+class _Part(NamedTuple):
+    """One node's digest of a step as found in its blob, its columns unread."""
+
+    groups: tuple[KeyGroup, ...]
+    n: int
+    n_ix: int
+    floats: memoryview  # its four float columns, one after another
+    ints: memoryview  # its four int columns, then its last positions
+    malformed: int
+
+
+def decode_round(blobs: Iterable[bytes]) -> Round:
+    """Every packed window of one round, as :func:`decode` reads each, with each
+    step's digests joined (what the leader files).
+
+    A node's window is read for its head and its digests' place only; each
+    step's columns are then read for every node at once, their bytes joined,
+    and checked as :func:`decode` checks them, in a few array operations (a
+    node at a time, reading and checking them cost 2,048 nodes' worth of
+    Python a round at 16k ranks). A blob that is not a window is left out
+    alone; when a step's columns fail a check, the round is read window by
+    window (:func:`decode`) to find the blob at fault.
+    """
+    blobs = list(blobs)
+    if _SWAP:  # the joined views assume little-endian columns
+        return _round_of_windows(blobs)
+    windows: list[Window] = []
+    parts: dict[int, list[_Part]] = {}
+    bad = 0
+    for data in blobs:
+        try:
+            w, found = _head_and_parts(data)
+        except (ValueError, struct.error, KeyError, TypeError, IndexError):
+            bad += 1
+            continue
+        windows.append(w)
+        for step, part in found:
+            parts.setdefault(step, []).append(part)
+    steps: dict[int, StepDigest] = {}
+    for step, got in parts.items():
+        joined = _joined_parts(step, got)
+        if joined is None:  # a column check failed: find the blob at fault
+            return _round_of_windows(blobs)
+        steps[step] = joined
+    return Round(windows, steps, bad)
+
+
+def _round_of_windows(blobs: list[bytes]) -> Round:
+    """:func:`decode_round`, a window at a time (:func:`decode` finds the bad ones)."""
+    windows: list[Window] = []
+    by_step: dict[int, list[StepDigest]] = {}
+    bad = 0
+    for data in blobs:
+        try:
+            w = decode(data)
+        except ValueError:
+            bad += 1
+            continue
+        windows.append(w._replace(digests=()))
+        for d in w.digests:
+            by_step.setdefault(d.step, []).append(d)
+    return Round(windows, {s: join_digests(ds) for s, ds in by_step.items()}, bad)
+
+
+def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
+    """A blob's window (without digests) and where each digest's columns lie;
+    what :func:`decode` raises for a blob cut short, too long, or whose head
+    does not describe its body."""
+    magic, n_head = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError(f"not a packed window (starts {bytes(data[:4])!r})")
+    at = _HEAD.size + n_head
+    o = orjson.loads(data[_HEAD.size : at])
+    view = memoryview(data)
+    found: list[tuple[int, _Part]] = []
+    for d in o["digests"]:
+        groups = []
+        for keys, n_keys, size in d["groups"]:
+            k = _keys_in(keys)
+            nk = len(k)
+            if nk != int(n_keys):
+                raise ValueError("a group's keys and extremes differ in length")
+            hi, lo = _extremes(data, at, nk), _extremes(data, at + 8 * nk, nk)
+            at += 16 * nk
+            groups.append(KeyGroup(k, hi, lo, int(size)))
+        n, n_ix = int(d["n"]), int(d["ix"])
+        if n < 0 or n_ix < 0:
+            raise ValueError("a negative column length")
+        f_end = at + 32 * n
+        i_end = f_end + 16 * n + 4 * n_ix
+        if i_end > len(data):
+            raise ValueError("a column runs past the end")
+        found.append(
+            (int(d["step"]), _Part(tuple(groups), n, n_ix, view[at:f_end], view[f_end:i_end],
+                                   int(d["bad"])))
+        )  # fmt: skip
+        at = i_end
+    if at != len(data):
+        raise ValueError(f"{len(data) - at} bytes past the last column")
+    progress, heard = o["progress"], o["heard"]
+    w = Window(
+        str(o["node"]),
+        int(o["seq"]),
+        float(o["t"]),
+        tuple(o["records"]),
+        (),
+        tuple((int(r), float(t), int(s), int(q)) for r, t, s, q in progress) if progress else (),
+        tuple((str(h), float(t), float(dt)) for h, t, dt in heard) if heard else (),
+    )
+    return w, found
+
+
+def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
+    """Every node's digest of ``step`` joined, columns read in one go; None when
+    one node's columns do not agree (:func:`_check`'s rules)."""
+    n = np.array([p.n for p in parts], dtype=np.int64)
+    n_ix = np.array([p.n_ix for p in parts], dtype=np.int64)
+    total, total_ix = int(n.sum()), int(n_ix.sum())
+    floats = np.frombuffer(b"".join([p.floats for p in parts]), dtype="<f8")
+    ints = np.frombuffer(b"".join([p.ints for p in parts]), dtype="<i4").astype(np.int64)
+    node = np.repeat(np.arange(len(parts)), n)  # each rank's part
+    first = np.cumsum(n) - n  # each part's first rank, joined
+    pos = np.arange(total) - first[node]  # a rank's place in its part
+    f_at = (np.cumsum(4 * n) - 4 * n)[node] + pos
+    i_start = np.cumsum(4 * n + n_ix) - (4 * n + n_ix)
+    i_at = i_start[node] + pos
+    per = n[node]
+
+    def f(c: int) -> np.ndarray:
+        return floats[f_at + c * per]
+
+    def i(c: int) -> np.ndarray:
+        return ints[i_at + c * per]
+
+    ranks, n_coll, group, last_n = i(0), i(1), i(2), i(3)
+    ix_node = np.repeat(np.arange(len(parts)), n_ix)
+    ix = ints[(i_start + 4 * n)[ix_node] + np.arange(total_ix) - (np.cumsum(n_ix) - n_ix)[ix_node]]
+    groups = [g for p in parts for g in p.groups]
+    n_groups = np.array([len(p.groups) for p in parts], dtype=np.int64)
+    # The checks decode makes of each node's digest, for every node at once.
+    ok = np.bincount(node, weights=last_n, minlength=len(parts)) == n_ix
+    ok &= np.bincount(node, weights=(group < -1) | (group >= n_groups[node]),
+                      minlength=len(parts)) == 0  # fmt: skip
+    if not ok.all():
+        return None
+    at = np.where(group >= 0, group + (np.cumsum(n_groups) - n_groups)[node], -1)
+    keys = np.array([len(g.keys) for g in groups] + [0], dtype=np.int64)
+    if not np.array_equal(keys[at], n_coll):  # -1 (no group): the 0 at the end
+        return None
+    widest = np.zeros(len(parts) + 1, dtype=np.int64)
+    g_node = np.repeat(np.arange(len(parts)), n_groups)
+    np.maximum.at(widest, g_node, keys[:-1])
+    if total_ix and ((ix < 0).any() or (ix >= widest[ix_node]).any()):
+        return None
+    return StepDigest(
+        step,
+        tuple(groups),
+        _column(ranks, "i"),
+        _column(f(0), "d"),
+        _column(f(1), "d"),
+        _column(n_coll, "i"),
+        _column(at, "i"),
+        _column(f(2), "d"),
+        _column(f(3), "d"),
+        _column(last_n, "i"),
+        _column(ix, "i"),
+        sum(p.malformed for p in parts),
+    )

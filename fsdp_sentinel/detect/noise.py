@@ -22,7 +22,18 @@ def warm(rel_noise: tuple[float, ...], cfg: DetectConfig) -> bool:
 
 def sigma(rel_noise: tuple[float, ...]) -> float:
     """One quiet step's relative score's robust standard deviation (``rel_noise`` not empty)."""
-    return _MAD_TO_SIGMA * mad(rel_noise)
+    # The pool is a tuple carried unchanged from step to step until it takes
+    # a step's scores, and a big job's holds a score a rank: the last answer
+    # is kept for the very same tuple (held here, so its id is not reused).
+    last = _LAST_SIGMA
+    if last[0] is rel_noise:
+        return last[1]  # type: ignore[return-value]
+    out = _MAD_TO_SIGMA * mad(rel_noise)
+    last[:] = (rel_noise, out)
+    return out
+
+
+_LAST_SIGMA: list[object] = [None, 0.0]
 
 
 def bar(rel_noise: tuple[float, ...], cfg: DetectConfig) -> float:

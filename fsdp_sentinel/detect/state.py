@@ -192,7 +192,13 @@ class TrackColumns:
         """A copy with a fresh row for each of ``ranks`` (ascending) it lacks, and
         each of ``ranks``' row in it (the copy is the next state's, to change)."""
         have = self.ranks
-        new = np.setdiff1d(ranks, have, assume_unique=True)
+        if len(ranks) == len(have) and np.array_equal(ranks, have):
+            new, rows = ranks[:0], np.arange(len(have))  # the usual step: every rank
+        else:
+            rows = np.searchsorted(have, ranks)
+            known = rows < len(have)
+            known[known] = have[rows[known]] == ranks[known]
+            new = ranks[~known]
         if not len(new):
             out = TrackColumns(
                 have,
@@ -207,7 +213,7 @@ class TrackColumns:
                 self.flagged_step.copy(),
                 self.widths,
             )
-            return out, np.searchsorted(have, ranks)
+            return out, rows
         merged = np.union1d(have, new)
         at = np.searchsorted(merged, have)  # where each old row goes
         out = TrackColumns.empty(self.widths, len(merged))

@@ -71,6 +71,11 @@ def median_sorted(ordered: Sequence[float]) -> float:
     return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
+#: From this many values on, :func:`mad` sorts with numpy (a big job's noise
+#: pool: a step's relative scores, one a rank); below it Python's merge is faster.
+_MAD_NUMPY = 512
+
+
 def mad(xs: Sequence[float]) -> float:
     """The median absolute deviation from the median of ``xs`` (not empty).
 
@@ -78,6 +83,11 @@ def mad(xs: Sequence[float]) -> float:
     median outwards, and of those above it, are two ascending runs, which
     ``sorted`` merges in one linear pass instead of sorting them afresh.
     """
+    if len(xs) >= _MAD_NUMPY:
+        a = np.sort(np.asarray(xs, dtype=np.float64))
+        m = float(median_sorted(a))  # type: ignore[arg-type]
+        # abs(x - m) is m - x below the median, exactly: the same floats.
+        return float(median_sorted(np.sort(np.abs(a - m))))  # type: ignore[arg-type]
     s = sorted(xs)
     med = median_sorted(s)
     cut = bisect_left(s, med)
@@ -124,6 +134,12 @@ def median_array(xs: np.ndarray) -> float | None:
 def row_medians(vals: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Each row's ``median`` of its first ``counts[i]`` values (NaN where none): the
     very floats :func:`median` gives, a sort per distinct count."""
+    if len(counts) and counts[0] > 0 and (counts == counts[0]).all():
+        # Every row as long (the usual case: ranks with the same history).
+        k = int(counts[0])
+        s = np.sort(vals[:, :k], axis=1)
+        mid = k // 2
+        return s[:, mid] if k % 2 else (s[:, mid - 1] + s[:, mid]) / 2.0
     out = np.full(len(counts), np.nan)
     for k in np.unique(counts).tolist():
         if k <= 0:
