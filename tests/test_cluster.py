@@ -66,7 +66,9 @@ def _colls(rng: random.Random, rank: int, step: int, keys: list, skew: float) ->
 
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("per_node", [1, 2, 3])
-def test_digests_rebuild_the_correlators_rank_steps(aligned: bool, per_node: int) -> None:
+def test_digests_rebuild_the_correlators_rank_steps(
+    aligned: bool, per_node: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(per_node * 2 + aligned)
     ranks = 6
     corr = Correlator()
@@ -111,10 +113,19 @@ def test_digests_rebuild_the_correlators_rank_steps(aligned: bool, per_node: int
     assert rnd.bad == 0 and list(rnd.steps) == [3]
     assert _as_lists(rnd.steps[3]) == _as_lists(alone)
     assert CS.rank_steps([rnd.steps[3]]) == CS.rank_steps([alone]) == got
+    # As columns (a big job's path: the round's extremes read as one array, or
+    # each group's tuples), the same figures.
+    monkeypatch.setattr(CS.correlate, "COLUMNAR_RANKS", 2)
+    if aligned:
+        assert rnd.steps[3].extremes is not None
+        assert list(CS.rank_steps([rnd.steps[3]])) == list(CS.rank_steps([alone])) == list(got)
 
 
 def _as_lists(d: CS.StepDigest) -> tuple:
-    return tuple(f if isinstance(f, (int, tuple)) else list(f) for f in d)
+    if d.extremes is not None:  # the groups' own extremes, as one array
+        want = [[g.longest, g.shortest] for g in d.groups]
+        assert d.extremes.tolist() == [[list(a), list(b)] for a, b in want]
+    return tuple(f if isinstance(f, (int, tuple)) else list(f) for f in d._replace(extremes=()))
 
 
 def test_window_bytes_grow_with_ranks_not_with_collectives_per_node() -> None:

@@ -111,8 +111,7 @@ class LeaderCorrelator(Correlator):
 
     def _states(self, ranks: Iterable[int]) -> list[Any]:
         """The states of ``ranks`` (made for any not yet known), in order."""
-        get = self.ranks.get
-        states = [get(r) for r in ranks]
+        states = list(map(self.ranks.get, ranks))
         if None in states:
             states = [rs or self.rank_of(r) for r, rs in zip(ranks, states, strict=True)]
         return states
@@ -374,8 +373,11 @@ class LeaderDetector:
                     {"kind": "step", "rank": d.ranks[0], "step": d.step, "start": end,
                      "end": end, "digest": d}
                 )  # fmt: skip
+        self.windows += len(windows)
         for w in windows:
-            self.windows += 1
+            if not (w.progress or w.heard or w.records):
+                recs.append(float(w.t))
+                continue  # a window of digests alone (most, in a steady job)
             ranks = self.node_ranks.setdefault(w.node, set())
             hosts = self.node_hosts.setdefault(w.node, set())
             for rank, t, step, seq in w.progress:
@@ -399,7 +401,7 @@ class LeaderDetector:
                     ranks.add(rec["rank"])
                     hosts.add(rec["host"])
             recs.extend(w.records)
-            recs.append(float(w.t))
+            recs.append(float(w.t))  # after the window's own records (a stable sort)
         recs.sort(key=_when)
         out: list[Record] = []
         pipe = self.pipeline

@@ -95,6 +95,11 @@ class StepDigest(NamedTuple):
     last_n: Sequence[int]
     last_ix: Sequence[int]
     malformed: int = 0
+    #: Every group's extremes as one float64 array of (groups, 2, keys):
+    #: longest then shortest, when read from the wire with every group as
+    #: wide (:func:`decode_round`), else None. The groups' own tuples hold the
+    #: same values; this spares the leader reading 2,048 of them a step.
+    extremes: Any = None
 
 
 class Window(NamedTuple):
@@ -270,11 +275,18 @@ def rank_steps(digests: Sequence[StepDigest]) -> Sequence[RankStep]:
     out: list[RankStep] = []
     keys0 = groups[0].keys if groups else None
     if with_colls >= 2 and all(g.keys == keys0 for g in groups):
+        big = sum(len(d.ranks) for d in digests) >= correlate.COLUMNAR_RANKS
+        ext = _extremes_of(digests) if big else None
+        if ext is not None:
+            # Every group's extremes as arrays: the same maxima and minima.
+            longest = ext[:, 0, :].max(axis=0).tolist()
+            low = ext[:, 1, :].min(axis=0)
+            # A row a group: its keys where its last-to-arrive arrived last job-wide.
+            return _aligned_columns(digests, ext[:, 1, :] <= low, reduce(add, longest, 0.0))
         longest = list(map(max, zip(*[g.longest for g in groups], strict=True)))
         shortest = list(map(min, zip(*[g.shortest for g in groups], strict=True)))
         top = reduce(add, longest, 0.0)
-        if sum(len(d.ranks) for d in digests) >= correlate.COLUMNAR_RANKS:
-            # A row a group: its keys where its last-to-arrive arrived last job-wide.
+        if big:
             table = np.array([g.shortest for g in groups]) <= np.array(shortest)
             return _aligned_columns(digests, table, top)
         # Per key: did a node's last-to-arrive arrive last job-wide too?
@@ -285,6 +297,17 @@ def rank_steps(digests: Sequence[StepDigest]) -> Sequence[RankStep]:
         _unaligned(digests, groups, out)
     out.sort(key=_FIRST)
     return tuple(out)
+
+
+def _extremes_of(digests: Sequence[StepDigest]) -> np.ndarray | None:
+    """Every digest's groups' extremes as one (groups, 2, keys) array, in group
+    order, when each digest carries them and none is NaN (whose maximum
+    depends on the order it is met in); else None."""
+    got = [d.extremes for d in digests]
+    if any(e is None for e in got):
+        return None
+    ext = got[0] if len(got) == 1 else np.concatenate(got)
+    return None if np.isnan(ext).any() else ext
 
 
 #: The numpy type of an array's typecode, as the wire form packs it.
@@ -404,33 +427,48 @@ def group_top_seqs(d: StepDigest) -> list[int]:
 # ------------------------------------------------------------ wire form
 
 #: The first bytes of a packed window (a version: a format change is a new magic).
-#: FSW3: each digest's per-rank columns in two blocks (its floats, then its
-#: integers) rather than nine, so the leader reads a node's digest in three
-#: reads (``bench/leader_scale``: 2,048 nodes a window).
-MAGIC = b"FSW3"
-_HEAD = struct.Struct("<4sI")
+#: FSW4: the head in fixed binary fields, JSON only for what has no fixed
+#: form (the small records, progress points, probe times, keys that are not a
+#: run of seqs) and none when there is none: parsing a JSON head was half of
+#: the leader's cost of reading a node's window (``bench/leader_scale``:
+#: 2,048 nodes a window). FSW3 had a JSON head; each digest's per-rank
+#: columns are in two blocks since then (its floats, then its integers).
+MAGIC = b"FSW4"
+#: magic, JSON bytes, node-name bytes, window seq, clock, digests
+_HEAD = struct.Struct("<4sIHqdI")
+#: step, records dropped, ranks, last positions, key groups
+_DIGEST = struct.Struct("<qIIII")
+#: how its keys are sent (_RUN: ``first`` and the count; _LISTED: the next
+#: list of the JSON's ``keys``), first, how many keys (and extremes), ranks
+_GROUP = struct.Struct("<BqII")
+_RUN, _LISTED = 0, 1
 _SWAP = sys.byteorder != "little"
 
 
-def _keys_out(keys: Sequence[Any]) -> Any:
-    # FSDP's keys are usually consecutive seqs: send the first and the count.
-    if keys and all(type(k) is int for k in keys):
-        k0 = keys[0]
-        if all(k == k0 + i for i, k in enumerate(keys)):
-            return {"from": k0, "n": len(keys)}
-    return [list(k) if isinstance(k, tuple) else k for k in keys]
+def _run_start(keys: Sequence[Any], n_extremes: int) -> int | None:
+    """The first seq when ``keys`` are consecutive seqs (FSDP's usual case, sent
+    as first and count), else None."""
+    if not keys or len(keys) != n_extremes or not all(type(k) is int for k in keys):
+        return None
+    k0 = keys[0]
+    if not -(1 << 63) <= k0 < (1 << 63) - len(keys):
+        return None
+    return k0 if all(k == k0 + i for i, k in enumerate(keys)) else None
 
 
 def _keys_in(obj: Any) -> tuple[Any, ...]:
-    if isinstance(obj, dict):
-        span = (int(obj["from"]), int(obj["n"]))
-        keys = _RUNS.get(span)
-        if keys is None:
-            if len(_RUNS) >= 4096:
-                _RUNS.clear()
-            keys = _RUNS[span] = tuple(range(span[0], span[0] + span[1]))
-        return keys
     return tuple(tuple(k) if isinstance(k, list) else k for k in obj)
+
+
+def _run(first: int, n: int) -> tuple[int, ...]:
+    """The keys ``first .. first + n - 1``, one tuple for every node that sends them."""
+    span = (first, n)
+    keys = _RUNS.get(span)
+    if keys is None:
+        if len(_RUNS) >= 4096:
+            _RUNS.clear()
+        keys = _RUNS[span] = tuple(range(first, first + n))
+    return keys
 
 
 #: Runs of consecutive seqs already read, as tuples (every node of a round
@@ -489,38 +527,32 @@ def _check(
 
 
 def encode(w: Window) -> bytes:
-    """The window packed for the store: a JSON head, then each digest's columns."""
-    head = orjson.dumps(
-        {
-            "node": w.node,
-            "seq": w.seq,
-            "t": w.t,
-            "records": w.records,
-            "progress": w.progress,
-            "heard": w.heard,
-            "digests": [
-                {
-                    "step": d.step,
-                    "bad": d.malformed,
-                    "n": len(d.ranks),
-                    "ix": len(d.last_ix),
-                    "groups": [[_keys_out(g.keys), len(g.longest), g.size] for g in d.groups],
-                }
-                for d in w.digests
-            ],
-        }
-    )
-    parts = [_HEAD.pack(MAGIC, len(head)), head]
+    """The window packed for the store: a binary head, JSON for what has no fixed
+    form (if any), then each digest: its counts, its key groups with their
+    extremes, its columns."""
+    listed: list[Any] = []
+    body: list[bytes] = []
     for d in w.digests:
+        body.append(_DIGEST.pack(d.step, d.malformed, len(d.ranks), len(d.last_ix), len(d.groups)))
         for g in d.groups:
-            parts.append(_pack("d", g.longest))
-            parts.append(_pack("d", g.shortest))
-        parts += [
+            first = _run_start(g.keys, len(g.longest))
+            if first is None:
+                listed.append([list(k) if isinstance(k, tuple) else k for k in g.keys])
+                body.append(_GROUP.pack(_LISTED, 0, len(g.longest), g.size))
+            else:
+                body.append(_GROUP.pack(_RUN, first, len(g.longest), g.size))
+            body.append(_pack("d", g.longest))
+            body.append(_pack("d", g.shortest))
+        body += [
             _pack("d", chain(d.wait_s, d.total_wait, d.start, d.end)),
             _pack("i", chain(d.ranks, d.n_coll, d.group, d.last_n)),
             _pack("i", d.last_ix),
         ]
-    return b"".join(parts)
+    extra = {"records": w.records, "progress": w.progress, "heard": w.heard, "keys": listed}
+    tail = orjson.dumps(extra) if any(extra.values()) else b""
+    node = w.node.encode()
+    head = _HEAD.pack(MAGIC, len(tail), len(node), w.seq, w.t, len(w.digests))
+    return b"".join([head, node, tail, *body])
 
 
 def decode(data: bytes) -> Window:
@@ -572,6 +604,7 @@ class _Part(NamedTuple):
     floats: memoryview  # its four float columns, one after another
     ints: memoryview  # its four int columns, then its last positions
     malformed: int
+    extremes: list[memoryview]  # per group: its longest, then its shortest waits
 
 
 def decode_round(blobs: Iterable[bytes]) -> Round:
@@ -631,43 +664,57 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
     """A blob's window (without digests) and where each digest's columns lie;
     what :func:`decode` raises for a blob cut short, too long, or whose head
     does not describe its body."""
-    magic, n_head = _HEAD.unpack_from(data)
+    magic, n_json, n_node, seq, clock, n_digests = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise ValueError(f"not a packed window (starts {bytes(data[:4])!r})")
-    at = _HEAD.size + n_head
-    o = orjson.loads(data[_HEAD.size : at])
+    at = _HEAD.size + n_node
+    node = bytes(data[_HEAD.size : at]).decode()
+    records: Any = ()
+    progress: Any = ()
+    heard: Any = ()
+    listed: Any = ()
+    if n_json:
+        o = orjson.loads(data[at : at + n_json])
+        at += n_json
+        records, progress, heard, listed = o["records"], o["progress"], o["heard"], o["keys"]
     view = memoryview(data)
     found: list[tuple[int, _Part]] = []
-    for d in o["digests"]:
+    n_listed = 0
+    for _ in range(n_digests):
+        step, bad, n, n_ix, n_groups = _DIGEST.unpack_from(data, at)
+        at += _DIGEST.size
         groups = []
-        for keys, n_keys, size in d["groups"]:
-            k = _keys_in(keys)
-            nk = len(k)
-            if nk != int(n_keys):
-                raise ValueError("a group's keys and extremes differ in length")
+        extremes = []
+        for _ in range(n_groups):
+            form, first, nk, size = _GROUP.unpack_from(data, at)
+            at += _GROUP.size
+            if form == _RUN:
+                k = _run(first, nk)
+            elif form == _LISTED:
+                k = _keys_in(listed[n_listed])
+                n_listed += 1
+                if len(k) != nk:
+                    raise ValueError("a group's keys and extremes differ in length")
+            else:
+                raise ValueError(f"keys sent in an unknown form ({form})")
             hi, lo = _extremes(data, at, nk), _extremes(data, at + 8 * nk, nk)
+            extremes.append(view[at : at + 16 * nk])
             at += 16 * nk
-            groups.append(KeyGroup(k, hi, lo, int(size)))
-        n, n_ix = int(d["n"]), int(d["ix"])
-        if n < 0 or n_ix < 0:
-            raise ValueError("a negative column length")
+            groups.append(KeyGroup(k, hi, lo, size))
         f_end = at + 32 * n
         i_end = f_end + 16 * n + 4 * n_ix
         if i_end > len(data):
             raise ValueError("a column runs past the end")
-        found.append(
-            (int(d["step"]), _Part(tuple(groups), n, n_ix, view[at:f_end], view[f_end:i_end],
-                                   int(d["bad"])))
-        )  # fmt: skip
+        part = _Part(tuple(groups), n, n_ix, view[at:f_end], view[f_end:i_end], bad, extremes)
+        found.append((step, part))
         at = i_end
     if at != len(data):
         raise ValueError(f"{len(data) - at} bytes past the last column")
-    progress, heard = o["progress"], o["heard"]
     w = Window(
-        str(o["node"]),
-        int(o["seq"]),
-        float(o["t"]),
-        tuple(o["records"]),
+        node,
+        seq,
+        clock,
+        tuple(records),
         (),
         tuple((int(r), float(t), int(s), int(q)) for r, t, s, q in progress) if progress else (),
         tuple((str(h), float(t), float(dt)) for h, t, dt in heard) if heard else (),
@@ -730,4 +777,14 @@ def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
         _column(last_n, "i"),
         _column(ix, "i"),
         sum(p.malformed for p in parts),
+        _extremes_joined(parts, keys[:-1]),
     )
+
+
+def _extremes_joined(parts: list[_Part], widths: np.ndarray) -> np.ndarray | None:
+    """Every group's extremes as one (groups, 2, keys) array, when every group
+    has as many keys (else None: each group's own tuples serve)."""
+    if not len(widths) or (widths != widths[0]).any():
+        return None
+    raw = np.frombuffer(b"".join([e for p in parts for e in p.extremes]), dtype="<f8")
+    return raw.astype(np.float64).reshape(len(widths), 2, int(widths[0]))
