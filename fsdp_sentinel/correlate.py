@@ -770,6 +770,8 @@ _RANK_OF, _SEQ_OF = itemgetter(KEY["rank"]), itemgetter(KEY["seq"])
 _ISSUE_OF, _END_OF, _BYTES_OF = itemgetter(KEY["issue"]), itemgetter(_END), itemgetter(KEY["bytes"])
 _START_OF, _RANK_ATTR = itemgetter(_START), attrgetter("rank")
 _LAST_T, _DONE_STEP = attrgetter("last_t"), attrgetter("done_step")
+_LOST, _FIRST_STEP = attrgetter("lost"), attrgetter("first_step")
+_MAX_COLL_STEP = attrgetter("max_coll_step")
 F64 = np.float64
 
 
@@ -1509,13 +1511,35 @@ class Correlator:
         """How many ranks should report ``step``: live ones that had started by
         then and have not fallen more than ``lag`` steps silent (a stray
         emitter, or a rank about to be declared lost, holds nobody back)."""
-        n = 0
-        for rs in self.ranks.values():
-            if rs.lost or rs.first_step is None or rs.first_step > step:
-                continue
-            if max(rs.done_step, rs.max_coll_step) >= step - lag:
-                n += 1
-        return n
+        if len(self.ranks) >= COLUMNAR_RANKS:
+            return self._expected_columns(step, lag)
+        expects = self._expects
+        return sum(1 for rs in self.ranks.values() if expects(rs, step, lag))
+
+    def _expected_columns(self, step: int, lag: int) -> int:
+        """:meth:`expected` for a big job: each figure read into an array once
+        (a pass per figure in C), compared as columns."""
+        states = self._in_order()[1]
+        n = len(states)
+        firsts = list(map(_FIRST_STEP, states))
+        if None in firsts:  # not started: counted as starting after this step
+            firsts = [step + 1 if f is None else f for f in firsts]
+        try:
+            first = np.array(firsts, dtype=np.int64)
+            newest = np.maximum(
+                np.fromiter(map(_DONE_STEP, states), np.int64, n),
+                np.fromiter(map(_MAX_COLL_STEP, states), np.int64, n),
+            )
+        except OverflowError:  # a step past int64: a rank at a time
+            return sum(1 for rs in states if self._expects(rs, step, lag))
+        lost = np.fromiter(map(_LOST, states), bool, n)
+        return int(np.count_nonzero(~lost & (first <= step) & (newest >= step - lag)))
+
+    @staticmethod
+    def _expects(rs: _Rank, step: int, lag: int) -> bool:
+        if rs.lost or rs.first_step is None or rs.first_step > step:
+            return False
+        return max(rs.done_step, rs.max_coll_step) >= step - lag
 
     def reported(self, step: int) -> int:
         """How many ranks have a step record for ``step`` filed."""

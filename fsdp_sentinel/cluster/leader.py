@@ -78,6 +78,8 @@ class LeaderCorrelator(Correlator):
         self.digests: dict[int, list[StepDigest]] = {}
         self.step_filed: dict[int, set[int]] = {}  # step -> ranks whose step record is filed
         self.top_seq: dict[int, int] = {}
+        # add_digest's last digest, its ranks' states, the evictions then
+        self._looked_up: tuple[Any, list[Any], int] = (None, [], -1)
         self.dark_ranks: frozenset[int] = frozenset()
         self.dark_hosts: frozenset[str] = frozenset()
 
@@ -89,15 +91,18 @@ class LeaderCorrelator(Correlator):
         self.malformed += d.malformed
         step = d.step
         states = self._states(d.ranks)
-        for rs in states:
-            if rs.first_step is None or step < rs.first_step:
-                rs.first_step = step
+        # Kept for the digest's step record (note_digest), fed later in the
+        # same round: the same ranks, looked up once.
+        self._looked_up = (d, states, self.evicted["rank"])
         # Ranks with collectives: their newest step and seq (a group's seq is
         # every member's: they issued the same keys).
         tops = group_top_seqs(d)
         top = self.top_seq
         busy = False
         for rs, n, g in zip(states, d.n_coll, d.group, strict=True):
+            first = rs.first_step
+            if first is None or step < first:
+                rs.first_step = step
             if not n:
                 continue
             busy = True
@@ -124,26 +129,32 @@ class LeaderCorrelator(Correlator):
         step = d.step
         filed = self.step_filed.setdefault(step, set())
         before = len(filed)
-        states = self.note_digest(d)
-        filed.update(rs.rank for rs in states)
+        ranks, states = self.note_digest(d)
+        filed.update(ranks)
         rs: Any = states[-1] if states else None
         if len(filed) > before:
             self._reports[step] = self._reports.get(step, 0) + len(filed) - before
         return rs, step
 
-    def note_digest(self, d: StepDigest) -> list[Any]:
-        """:meth:`~Correlator.note_steps` for every step record in ``d``; their ranks' states."""
+    def note_digest(self, d: StepDigest) -> tuple[Sequence[int], list[Any]]:
+        """:meth:`~Correlator.note_steps` for every step record in ``d``; their
+        ranks, and those ranks' states."""
         end = np.asarray(d.end, dtype=np.float64)
         timed = end == end  # NaN: no step record
+        looked = self._looked_up
         if timed.all():
             ranks, ends = d.ranks, d.end
+            if looked[0] is d and looked[2] == self.evicted["rank"]:  # no rank replaced since
+                states = looked[1]
+            else:
+                states = self._states(ranks)
         else:
             at = np.flatnonzero(timed)
             ranks = np.asarray(d.ranks)[at].tolist()
             ends = end[at].tolist()
-        states = self._states(ranks)
+            states = self._states(ranks)
         self.note_steps(d.step, zip(states, ends, strict=True))
-        return states
+        return ranks, states
 
     def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
         """A node's word on its rank: last heard, newest step and seq with collectives."""

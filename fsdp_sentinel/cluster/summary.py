@@ -500,11 +500,11 @@ def _values(view: memoryview, code: str) -> Sequence[Any]:
 _EXTREMES: dict[int, struct.Struct] = {}
 
 
-def _extremes(data: bytes, at: int, n: int) -> tuple[float, ...]:
-    s = _EXTREMES.get(n)
-    if s is None:
-        s = _EXTREMES[n] = struct.Struct(f"<{n}d")
-    return s.unpack_from(data, at)  # struct.error when the bytes run short
+def _extremes_struct(n: int) -> struct.Struct:
+    if len(_EXTREMES) >= 1024:  # widths are few; a hostile stream's are not kept
+        _EXTREMES.clear()
+    s = _EXTREMES[n] = struct.Struct(f"<{n}d")
+    return s
 
 
 def _check(
@@ -668,7 +668,7 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
     if magic != MAGIC:
         raise ValueError(f"not a packed window (starts {bytes(data[:4])!r})")
     at = _HEAD.size + n_node
-    node = bytes(data[_HEAD.size : at]).decode()
+    node = str(data[_HEAD.size : at], "utf-8")
     records: Any = ()
     progress: Any = ()
     heard: Any = ()
@@ -689,7 +689,7 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
             form, first, nk, size = _GROUP.unpack_from(data, at)
             at += _GROUP.size
             if form == _RUN:
-                k = _run(first, nk)
+                k = _RUNS.get((first, nk)) or _run(first, nk)
             elif form == _LISTED:
                 k = _keys_in(listed[n_listed])
                 n_listed += 1
@@ -697,7 +697,8 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
                     raise ValueError("a group's keys and extremes differ in length")
             else:
                 raise ValueError(f"keys sent in an unknown form ({form})")
-            hi, lo = _extremes(data, at, nk), _extremes(data, at + 8 * nk, nk)
+            unpack = (_EXTREMES.get(nk) or _extremes_struct(nk)).unpack_from
+            hi, lo = unpack(data, at), unpack(data, at + 8 * nk)  # struct.error when short
             extremes.append(view[at : at + 16 * nk])
             at += 16 * nk
             groups.append(KeyGroup(k, hi, lo, size))

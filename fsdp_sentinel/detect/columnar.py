@@ -130,9 +130,15 @@ def in_order(ranks: StepRanks) -> bool:
 
 def _push(h: Hist, rows: np.ndarray, values: np.ndarray) -> None:
     """``stats.push`` of ``values[k]`` onto row ``rows[k]`` of ``h`` (in place: ``h``
-    is the next state's copy); the oldest value goes once a row is full."""
+    is the next state's copy); the oldest value goes once a row is full.
+    ``rows`` are distinct and ascending (rows of a step's ranks, or a subset)."""
     width = h.vals.shape[1]
     if not width or not len(rows):
+        return
+    if len(rows) == len(h.n) and (h.n >= width).all():
+        # Every row, each full (a steady big job): shifted as one block.
+        h.vals[:, :-1] = h.vals[:, 1:]
+        h.vals[:, -1] = values
         return
     n = h.n[rows]
     full = n >= width
@@ -148,6 +154,8 @@ def _push(h: Hist, rows: np.ndarray, values: np.ndarray) -> None:
 
 
 def _medians(h: Hist, rows: np.ndarray) -> np.ndarray:
+    if len(rows) == len(h.n):  # every row (rows are distinct): no copy to take
+        return row_medians(h.vals, h.n)
     return row_medians(h.vals[rows], h.n[rows])
 
 
@@ -175,7 +183,7 @@ def judge(
     ref = ctx.ref_step
     if ref and ctx.n_lates >= 2:
         has_now = matched
-        lates = np.asarray(ctx.lates_sorted)
+        lates = ctx.lates_array if ctx.lates_array is not None else np.asarray(ctx.lates_sorted)
         v = late[has_now]
         at = np.searchsorted(lates, v, side="left")  # stats.median_without, per rank
         m = ctx.n_lates - 1

@@ -83,7 +83,8 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         present_ranks = tuple(ranks.rank[keep].tolist())
         steps = ranks.step_s[keep]
         job_step = median_array(steps[steps == steps])  # NaN: no step record
-        lates_sorted = np.sort(ranks.late_s[keep & (ranks.matched > 0)]).tolist()
+        lates_array = np.sort(ranks.late_s[keep & (ranks.matched > 0)])
+        lates_sorted = lates_array.tolist()
         causes = columns.open_causes()
     else:
         tracks = columnar.as_dict(state.tracks)
@@ -92,6 +93,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         step_times = [rs.step_s for rs in present if rs.step_s is not None]
         job_step = median(step_times) if step_times else None
         lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
+        lates_array = None
         causes = {r: tr.cause for r, tr in tracks.items() if tr.cause}
     job_recent = state.job_recent
     if job_step is not None:
@@ -172,6 +174,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         explainers,
         job_step,
         stretch,
+        lates_array,
     )
     next_tracks: Tracks
     scores: Sequence[RankScore]

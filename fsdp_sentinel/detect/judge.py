@@ -9,7 +9,7 @@ large one whose step is more than pushing histories.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from fsdp_sentinel.correlate import LivenessColumns, Summary
 from fsdp_sentinel.detect import compute, network, persistence
@@ -50,6 +50,8 @@ class StepContext(NamedTuple):
     explainers: frozenset[int]
     job_step: float | None
     stretch: float | None
+    #: ``lates_sorted`` as an array, for the columnar judge (None: made from it)
+    lates_array: Any = None
 
 
 class Judged(NamedTuple):
@@ -69,6 +71,7 @@ def judge_rank(rs: RankStep, tr: RankTrack, ctx: StepContext) -> Judged:
     (
         summary, step, cfg, n_lates, lates_sorted, ref_step, base, bar, low, attributed,
         n_flagged, warm, stretched_now, stall_explained, net, explainers, job_step, stretch,
+        _lates_array,
     ) = ctx  # fmt: skip
     verdict: Verdict | None = None
     mine = attributed if n_flagged == (1 if tr.cause else 0) else None
