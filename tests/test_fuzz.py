@@ -108,3 +108,69 @@ def test_a_damaged_trace_is_a_trace_error_or_reads(suffix: str, flips, cut: int)
                     pass
             except TraceError:
                 pass
+
+
+def _cluster_blobs() -> list[bytes]:
+    """Packed node windows of two shapes: a steady one (digests alone), and one
+    with records, progress points, probe times and keys that are not a run."""
+    from fsdp_sentinel.cluster.summary import Window, digest_step, encode
+
+    def colls(rank: int, keys: list) -> list[dict]:
+        out = []
+        for i, k in enumerate(keys):
+            rec = {"kind": "coll", "rank": rank, "step": 2, "op": "all_gather", "bytes": 8,
+                   "issue": 10.0 + i + rank / 100, "end": 10.5 + i}  # fmt: skip
+            if isinstance(k, tuple):
+                rec["group"], rec["seq"] = k
+            else:
+                rec["seq"] = k
+            out.append(rec)
+        return out
+
+    steps = {r: {"start": 9.0, "end": 14.0 + r} for r in range(3)}
+    run = digest_step(2, {r: colls(r, [5, 6, 7]) for r in range(3)}, steps)
+    odd = digest_step(2, {r: colls(r, [("dp", 1), ("tp", 4)]) for r in range(3, 5)})
+    flow = {"kind": "flow", "t": 12.0, "dt": 1.0, "src": "198.18.0.1:1", "dst": "198.18.0.2:2"}
+    return [
+        encode(Window("n0", 3, 12.5, (), (run,), (), ())),
+        encode(Window("n1", 3, 12.5, (flow,), (odd,), ((3, 12.0, 2, 4),), (("h1", 12.0, 1.0),))),
+    ]
+
+
+CLUSTER_BLOBS = _cluster_blobs()
+
+
+@st.composite
+def damaged_blobs(draw: st.DrawFn) -> bytes:
+    blob = bytearray(draw(st.sampled_from(CLUSTER_BLOBS)))
+    for _ in range(draw(st.integers(1, 4))):
+        how = draw(st.integers(0, 3))
+        at = draw(st.integers(0, len(blob)))
+        if how == 0 and at < len(blob):
+            blob[at] = draw(st.integers(0, 255))
+        elif how == 1:
+            del blob[at : at + draw(st.integers(1, 16))]
+        elif how == 2:
+            blob[at:at] = draw(st.binary(min_size=1, max_size=16))
+        else:  # a field's bytes made an extreme value
+            blob[at : at + 8] = draw(st.sampled_from([b"\xff" * 8, b"\x00" * 8, b"\x7f" * 8]))
+    return bytes(blob)
+
+
+@FAST
+@given(damaged_blobs())
+def test_a_damaged_cluster_window_is_refused_alike_by_both_readers(blob: bytes) -> None:
+    """The leader reads a round at once (``decode_round``); one window alone is
+    read by ``decode``. A damaged window is a ValueError to the one and left
+    out, counted, by the other (the good windows beside it still read), and
+    nothing else comes out of either."""
+    from fsdp_sentinel.cluster.summary import decode, decode_round
+
+    try:
+        decode(blob)
+        alone_ok = True
+    except ValueError:
+        alone_ok = False
+    rnd = decode_round([CLUSTER_BLOBS[0], blob, CLUSTER_BLOBS[1]])
+    assert rnd.bad == (0 if alone_ok else 1)
+    assert len(rnd.windows) == (3 if alone_ok else 2)

@@ -421,7 +421,14 @@ def _unaligned(digests: Sequence[StepDigest], groups: list[KeyGroup], out: list[
 
 def group_top_seqs(d: StepDigest) -> list[int]:
     """Each group's newest seq (every member's, as they issued the same keys)."""
-    return [top_seq(g.keys) for g in d.groups]
+    out = []
+    keys: Any = None
+    top = -1
+    for g in d.groups:
+        if g.keys is not keys:  # a round's nodes share one keys tuple (a run): one max
+            keys, top = g.keys, top_seq(g.keys)
+        out.append(top)
+    return out
 
 
 # ------------------------------------------------------------ wire form
@@ -562,7 +569,14 @@ def decode(data: bytes) -> Window:
     try:
         w, found = _head_and_parts(data)
         return w._replace(digests=tuple(_digest(step, part) for step, part in found))
-    except (ValueError, struct.error, KeyError, TypeError, IndexError) as e:  # JSON's too
+    except (
+        ValueError,
+        struct.error,
+        KeyError,
+        TypeError,
+        IndexError,
+        OverflowError,
+    ) as e:  # JSON's too
         raise ValueError(f"not a cluster window: {e}") from e
 
 
@@ -628,7 +642,7 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
     for data in blobs:
         try:
             w, found = _head_and_parts(data)
-        except (ValueError, struct.error, KeyError, TypeError, IndexError):
+        except (ValueError, struct.error, KeyError, TypeError, IndexError, OverflowError):
             bad += 1
             continue
         windows.append(w)
@@ -688,6 +702,8 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
         for _ in range(n_groups):
             form, first, nk, size = _GROUP.unpack_from(data, at)
             at += _GROUP.size
+            if at + 16 * nk > len(data):  # before any key is made: a damaged count
+                raise ValueError("a group's extremes run past the end")
             if form == _RUN:
                 k = _RUNS.get((first, nk)) or _run(first, nk)
             elif form == _LISTED:
