@@ -938,6 +938,9 @@ class Correlator:
         self._live: tuple[np.ndarray, list[_Rank], list[str]] | None = None
         self._live_peers: np.ndarray | None = None
         self._colls_cap = self.limits.max_colls_per_step  # read per coll record
+        # The liveness a tick read, for the steps it summarises at the same
+        # instant (Pipeline._advance: no record is filed in between).
+        self.held_liveness: Sequence[RankLiveness] | None = None
 
     # ------------------------------------------------------------ per record
 
@@ -1498,6 +1501,7 @@ class Correlator:
 
     def revive(self, rank: int) -> None:
         """A lost rank is heard from again: steps wait for it, its torn connections are forgotten."""
+        self.held_liveness = None  # its liveness figures change
         self.rank_of(rank).lost = False
         self._torn.pop(rank, None)
         self._self_closed.pop(rank, None)
@@ -1963,7 +1967,7 @@ class Correlator:
             step=step,
             ranks=ranks,
             flows=self.flow_matrix(now) if step is not None else (),
-            liveness=self.liveness(),
+            liveness=self.liveness() if self.held_liveness is None else self.held_liveness,
             job_done=self.job_done,
             mid_step=self.max_coll_step > self.job_done,
         )

@@ -390,9 +390,17 @@ class Pipeline:
         if self.now >= self._next_sweep:
             self._next_sweep = self.now + SWEEP_S
             self.corr.sweep(self.now)
-        out = self._run(self.corr.tick_summary(self.now))
-        # A rank just declared lost no longer holds its step back.
-        out.extend(self._finalize_ready())
+        tick = self.corr.tick_summary(self.now)
+        out = self._run(tick)
+        # A rank just declared lost no longer holds its step back. The steps
+        # summarised now see the tick's liveness: nothing is filed between
+        # (a verdict marks ranks lost or back, which liveness does not show),
+        # and at 16k ranks it is a pass over every rank.
+        self.corr.held_liveness = tick.liveness
+        try:
+            out.extend(self._finalize_ready())
+        finally:
+            self.corr.held_liveness = None
         return out
 
     def _on_rank(self, rec: Record) -> list[Record]:
@@ -455,6 +463,10 @@ class Pipeline:
         if t > self.now:
             self.now = t
         out = self._advance(t) if self.now >= self._next_tick else []
+        if step <= self.corr.summarised:
+            # That tick summarised the step (every rank had reported): nothing
+            # is left to wait for, and no count of the ranks expected is needed.
+            return out
         # Count ranks, not records: a datagram delivered twice is one report.
         n = self.corr.reported(step)
         ready = n >= len(self.corr.ranks)
@@ -486,8 +498,12 @@ class Pipeline:
 
     def _finalize_ready(self) -> list[Record]:
         out: list[Record] = []
-        for step in self.corr.reported_steps():
-            if self.corr.reported(step) >= self.corr.expected(step, self.finalize_lag):
+        corr = self.corr
+        for step in corr.reported_steps():
+            n = corr.reported(step)
+            # Every rank reported: no count of those expected can exceed that
+            # (a pass over every rank, skipped).
+            if n >= len(corr.ranks) or n >= corr.expected(step, self.finalize_lag):
                 out.extend(self._finalize_through(step))
         return out
 

@@ -248,3 +248,15 @@ def test_a_bad_field_drops_only_its_record_and_is_counted() -> None:
     assert c.ranks[1].coll_bytes == {"all_gather": 1000}
     assert c.ranks[0].coll_bytes == {"all_gather": 1000}
     assert c.malformed_total() == 2  # the dropped record and the bad byte count
+
+
+def test_a_rank_back_from_lost_drops_the_liveness_a_tick_held() -> None:
+    # revive() forgets the rank's torn connections, which liveness shows: a
+    # step summarised after it in the same tick must read liveness afresh.
+    corr = Correlator()
+    corr.add_rank(rank_rec(0, "h0", 10, ["198.18.0.1"]))
+    corr.held_liveness = corr.liveness()
+    corr.mark_lost(0)
+    assert corr.held_liveness is not None  # being marked lost changes no figure it shows
+    corr.revive(0)
+    assert corr.held_liveness is None

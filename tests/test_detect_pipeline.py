@@ -6,6 +6,8 @@ Totals are checked against sums computed here straight from the records.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 from fsdp_sentinel import synth, trace
 from fsdp_sentinel.pipeline import Pipeline
@@ -108,3 +110,36 @@ def test_records_delivered_twice_change_nothing() -> None:
     sa, sb = once.snapshot(), dup.snapshot()
     assert [r.coll_count_total for r in sa.ranks] == [r.coll_count_total for r in sb.ranks]
     assert [r.steps_total for r in sa.ranks] == [r.steps_total for r in sb.ranks]
+
+
+def test_a_step_summarised_at_a_tick_sees_liveness_as_read_then() -> None:
+    """A tick hands its liveness to the steps it summarises at the same instant
+    (``Correlator.held_liveness``): each such summary's liveness must be what a
+    fresh read gives then, through lost ranks coming back (which forget their
+    torn connections) too. Every golden capture, and the check must have run."""
+    held = 0
+    for path in sorted((Path(__file__).parent / "traces").glob("*.jsonl.zst")):
+        pipe = Pipeline()
+        corr = pipe.corr
+        summarise = corr.step_summary
+
+        def checked(
+            step: int,
+            now: float,
+            corr: Any = corr,
+            summarise: Any = summarise,
+            name: str = path.name,
+        ) -> Any:
+            nonlocal held
+            summary = summarise(step, now)
+            if corr.held_liveness is not None:
+                held += 1
+                kept, corr.held_liveness = corr.held_liveness, None
+                assert tuple(summary.liveness) == tuple(corr.liveness()), (name, step)
+                corr.held_liveness = kept
+            return summary
+
+        corr.step_summary = checked  # type: ignore[method-assign]
+        pipe.feed_many(list(trace.read_trace(path)))
+        pipe.end()
+    assert held >= 10, f"only {held} steps were summarised at a tick: the check barely ran"
