@@ -717,16 +717,18 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
             hi, lo = unpack(data, at), unpack(data, at + 8 * nk)  # struct.error when short
             extremes.append(view[at : at + 16 * nk])
             at += 16 * nk
-            groups.append(KeyGroup(k, hi, lo, size))
+            groups.append(_new(KeyGroup, (k, hi, lo, size)))
         f_end = at + 32 * n
         i_end = f_end + 16 * n + 4 * n_ix
         if i_end > len(data):
             raise ValueError("a column runs past the end")
-        part = _Part(tuple(groups), n, n_ix, view[at:f_end], view[f_end:i_end], bad, extremes)
-        found.append((step, part))
+        part = (tuple(groups), n, n_ix, view[at:f_end], view[f_end:i_end], bad, extremes)
+        found.append((step, _new(_Part, part)))
         at = i_end
     if at != len(data):
         raise ValueError(f"{len(data) - at} bytes past the last column")
+    if not (records or progress or heard):  # a window of digests alone (most)
+        return _new(Window, (node, seq, clock, (), (), (), ())), found
     w = Window(
         node,
         seq,
@@ -737,6 +739,11 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
         tuple((str(h), float(t), float(dt)) for h, t, dt in heard) if heard else (),
     )
     return w, found
+
+
+#: A named tuple made from its fields' tuple in C, without the Python-level
+#: constructor each class has (three a node, 2,048 nodes a round).
+_new = tuple.__new__
 
 
 def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
