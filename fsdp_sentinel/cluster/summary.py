@@ -199,7 +199,7 @@ def join_digests(digests: Sequence[StepDigest]) -> StepDigest:
     if len(digests) == 1:
         return digests[0]
     sizes = [len(d.ranks) for d in digests]
-    offsets = np.cumsum([0] + [len(d.groups) for d in digests[:-1]])
+    offsets = _starts([len(d.groups) for d in digests])
     group = _joined(digests, "group", np.int64)
     group = np.where(group >= 0, group + np.repeat(offsets, sizes), -1)
     floats = {n: _column(_joined(digests, n, np.float64), "d") for n in _FLOAT_COLUMNS}
@@ -212,6 +212,12 @@ def join_digests(digests: Sequence[StepDigest]) -> StepDigest:
         **floats,
         **ints,
     )
+
+
+def _starts(counts: Any) -> np.ndarray:
+    """Where each of consecutive runs of ``counts`` items begins, laid end to end."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.cumsum(counts) - counts
 
 
 _FLOAT_COLUMNS = ("wait_s", "total_wait", "start", "end")
@@ -330,7 +336,7 @@ def _aligned_columns(digests: Sequence[StepDigest], table: np.ndarray, top: floa
     last_n = col("last_n", np.int64)
     # Each rank's "last" positions, looked up in its node group's hits (every
     # group has the same keys here, so the hits are one table, a row a group).
-    offsets = np.cumsum([0] + [len(d.groups) for d in digests[:-1]])
+    offsets = _starts([len(d.groups) for d in digests])
     group = col("group", np.int64) + np.repeat(offsets, [len(d.ranks) for d in digests])
     owner = np.repeat(np.arange(len(ranks)), last_n)
     ix = col("last_ix", np.int64)
@@ -515,7 +521,7 @@ def _extremes_struct(n: int) -> struct.Struct:
 
 
 def _check(
-    groups: list[KeyGroup],
+    groups: Sequence[KeyGroup],
     n_coll: Any,
     group: Sequence[int],
     last_n: Sequence[int],
@@ -562,6 +568,10 @@ def encode(w: Window) -> bytes:
     return b"".join([head, node, tail, *body])
 
 
+#: What reading a damaged blob can raise (JSON's errors are ValueErrors).
+_NOT_A_WINDOW = (ValueError, struct.error, KeyError, TypeError, IndexError, OverflowError)
+
+
 def decode(data: bytes) -> Window:
     """A window back from :func:`encode`'s bytes; ValueError when they are not one.
 
@@ -569,14 +579,7 @@ def decode(data: bytes) -> Window:
     try:
         w, found = _head_and_parts(data)
         return w._replace(digests=tuple(_digest(step, part) for step, part in found))
-    except (
-        ValueError,
-        struct.error,
-        KeyError,
-        TypeError,
-        IndexError,
-        OverflowError,
-    ) as e:  # JSON's too
+    except _NOT_A_WINDOW as e:
         raise ValueError(f"not a cluster window: {e}") from e
 
 
@@ -585,7 +588,7 @@ def _digest(step: int, p: _Part) -> StepDigest:
     n = p.n
     f, i = _values(p.floats, "d"), _values(p.ints, "i")
     n_coll, group, last_n, last_ix = i[n : 2 * n], i[2 * n : 3 * n], i[3 * n : 4 * n], i[4 * n :]
-    _check(list(p.groups), n_coll, group, last_n, last_ix)
+    _check(p.groups, n_coll, group, last_n, last_ix)
     return StepDigest(
         step, p.groups, i[:n], f[:n], f[n : 2 * n], n_coll, group, f[2 * n : 3 * n], f[3 * n :],
         last_n, last_ix, p.malformed,
@@ -642,7 +645,7 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
     for data in blobs:
         try:
             w, found = _head_and_parts(data)
-        except (ValueError, struct.error, KeyError, TypeError, IndexError, OverflowError):
+        except _NOT_A_WINDOW:
             bad += 1
             continue
         windows.append(w)
@@ -755,10 +758,9 @@ def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
     floats = np.frombuffer(b"".join([p.floats for p in parts]), dtype="<f8")
     ints = np.frombuffer(b"".join([p.ints for p in parts]), dtype="<i4").astype(np.int64)
     node = np.repeat(np.arange(len(parts)), n)  # each rank's part
-    first = np.cumsum(n) - n  # each part's first rank, joined
-    pos = np.arange(total) - first[node]  # a rank's place in its part
-    f_at = (np.cumsum(4 * n) - 4 * n)[node] + pos
-    i_start = np.cumsum(4 * n + n_ix) - (4 * n + n_ix)
+    pos = np.arange(total) - _starts(n)[node]  # a rank's place in its part
+    f_at = _starts(4 * n)[node] + pos
+    i_start = _starts(4 * n + n_ix)
     i_at = i_start[node] + pos
     per = n[node]
 
@@ -770,7 +772,7 @@ def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
 
     ranks, n_coll, group, last_n = i(0), i(1), i(2), i(3)
     ix_node = np.repeat(np.arange(len(parts)), n_ix)
-    ix = ints[(i_start + 4 * n)[ix_node] + np.arange(total_ix) - (np.cumsum(n_ix) - n_ix)[ix_node]]
+    ix = ints[(i_start + 4 * n)[ix_node] + np.arange(total_ix) - _starts(n_ix)[ix_node]]
     groups = [g for p in parts for g in p.groups]
     n_groups = np.array([len(p.groups) for p in parts], dtype=np.int64)
     # The checks decode makes of each node's digest, for every node at once.
@@ -779,7 +781,7 @@ def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
                       minlength=len(parts)) == 0  # fmt: skip
     if not ok.all():
         return None
-    at = np.where(group >= 0, group + (np.cumsum(n_groups) - n_groups)[node], -1)
+    at = np.where(group >= 0, group + _starts(n_groups)[node], -1)
     keys = np.array([len(g.keys) for g in groups] + [0], dtype=np.int64)
     if not np.array_equal(keys[at], n_coll):  # -1 (no group): the 0 at the end
         return None
