@@ -36,7 +36,7 @@ from fsdp_sentinel.stream import STEP_AHEAD, STEP_KINDS, TIME_FIELD, StreamConfi
 from fsdp_sentinel.trace import KEY
 
 # Looked up with the parser's own key objects on the hot path (see trace.KEY).
-_KIND, _END, _STEP, _RANK = KEY["kind"], KEY["end"], KEY["step"], KEY["rank"]
+_KIND, _END, _STEP, _RANK, _T = KEY["kind"], KEY["end"], KEY["step"], KEY["rank"], KEY["t"]
 #: Each kind's stream time field but coll's, for the stream guard's fast check.
 _TIME_OF = {k: KEY[f] for k, f in TIME_FIELD.items() if k != "coll"}
 
@@ -201,16 +201,21 @@ class Pipeline:
 
         The same records, the same verdicts (``tests/test_feed_batch.py``):
         runs of ``coll`` records that need no guard, tick or first filing are
-        filed by one :meth:`Correlator.add_coll_run` call, the rest by ``feed``.
+        filed by one :meth:`Correlator.add_coll_run` call, runs of ``flow``
+        records by :meth:`file_flows`, the rest by ``feed``.
         """
         out: list[Record] = []
         n = len(recs)
         i = 0
         file_run = self.file_run
         feed = self.feed
+        file_flows = self.file_flows
         while i < n:
-            if recs[i].get(_KIND) == "coll":  # only a coll record starts a run
+            kind = recs[i].get(_KIND)
+            if kind == "coll":  # only a coll or a flow record starts a run
                 i = file_run(recs, i)
+            elif kind == "flow":
+                i = file_flows(recs, i)
             if i < n:
                 v = feed(recs[i])
                 if v:
@@ -226,6 +231,45 @@ class Pipeline:
         # the next tick, its step within the step limit.
         bounds = (self._horizon, self._step_limit, self._next_tick)
         i, self.now = self.corr.add_coll_run(recs, i, bounds, self.now, gate)
+        return i
+
+    def file_flows(self, recs: Sequence[Record], i: int) -> int:
+        """File the run of ``flow`` records from ``recs[i]`` on that need nothing
+        but filing: each as ``feed`` files it (counted; malformed when filing it
+        raises), while its time is within the guard's horizon and before the
+        next tick; the index of the first record left to ``feed``.
+
+        A leader's window of a big job carries a flow record a rank each
+        second; through ``feed``, each cost a dispatch and three calls more.
+        A pipeline with an observer (it sees each flow's pair) feeds them.
+        """
+        if self.observer is not None:
+            return i
+        horizon, tick = self._horizon, self._next_tick
+        add_flow = self.corr.add_flow
+        now = self.now
+        start, n, bad = i, len(recs), 0
+        for i in range(start, n):  # i: where the run stopped, at a break
+            rec = recs[i]
+            if type(rec) is not dict or rec.get(_KIND) != "flow":
+                break
+            t = rec.get(_T)
+            # An ill-typed time, or one due the guard or a tick: feed's.
+            if (type(t) is not float and type(t) is not int) or t > horizon or t >= tick:
+                break
+            try:
+                add_flow(rec)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                bad += 1  # as feed counts it: the clock is not moved
+                continue
+            if t > now:
+                now = t
+        else:
+            i = n
+        if i > start:
+            self._totals["flow"] = self._totals.get("flow", 0) + i - start
+            self._malformed += bad
+            self.now = float(now)
         return i
 
     def _guarded(self, rec: Record) -> Sequence[Record]:

@@ -2,8 +2,8 @@
 
 Replay feeds a pipeline (or the job router) each decompressed piece of a
 trace as one list (``feed_batch``), which files runs of ``coll`` records in
-one call (``Correlator.add_coll_run``) and hands every other record to
-``feed``. These tests hold it to exactly what ``feed`` does record by record:
+one call (``Correlator.add_coll_run``), runs of ``flow`` records in another
+(``Pipeline.file_flows``), and hands every other record to ``feed``. These tests hold it to exactly what ``feed`` does record by record:
 verdicts, counters and per-rank state, on every golden trace and on streams
 built to leave the fast path at every turn (the stream guard, ill-typed and
 late records, the per-step cap, two jobs at once, a job's restart).
@@ -21,6 +21,7 @@ from fsdp_sentinel import trace
 from fsdp_sentinel.correlate import StateLimits
 from fsdp_sentinel.jobs import JobRouter
 from fsdp_sentinel.pipeline import Pipeline
+from fsdp_sentinel.stream import StreamConfig
 from fsdp_sentinel.synth import Scenario, SlowCompute, generate
 
 Record = dict[str, Any]
@@ -52,8 +53,21 @@ def state(feeder: Any) -> str:
         for p in pipes
         for r, rs in sorted(p.corr.ranks.items())
     ]
+    pairs = [
+        (k, pf.tx_total, pf.rx_total, pf.retrans_total, list(pf.samples), pf.last_t)
+        for p in pipes
+        for k, pf in sorted(p.corr.pairs.items())
+    ]
+    hosts = [(sorted(p.corr.hosts_heard.items()), p.corr.unattributed_flows) for p in pipes]
     return json.dumps(
-        [feeder.stats, feeder.records_total, per_rank, [(p.now, p.corr.evicted) for p in pipes]],
+        [
+            feeder.stats,
+            feeder.records_total,
+            per_rank,
+            pairs,
+            hosts,
+            [(p.now, p.corr.evicted) for p in pipes],
+        ],
         sort_keys=True,
         default=str,
     )
@@ -114,6 +128,34 @@ def test_records_that_leave_the_fast_path_give_the_same_verdicts(make: Any) -> N
     pipe = make()
     pipe.feed_batch([dict(r) for r in recs])
     assert pipe.stats["malformed"] >= 3 and pipe.stats["late"] >= 1
+
+
+def test_flows_that_leave_the_fast_path_give_the_same_verdicts() -> None:
+    # Flow records come in runs (Pipeline.file_flows): each bad one, one due
+    # a tick or the guard, is left to feed, or counted as feed counts it.
+    recs = [dict(r) for r in job()]
+    flows = [i for i, r in enumerate(recs) if r["kind"] == "flow"]
+    f = recs[flows[40]]
+    bad = [
+        {**f, "t": "soon"},  # ill-typed time
+        {**f, "t": True},  # a bool is not a time here
+        {**f, "tx_bytes": "many"},  # its host heard, then malformed
+        {k: v for k, v in f.items() if k != "src"},  # no source
+        {**f, "t": f["t"] + 3600.0},  # an hour ahead: the guard holds it
+        {**f, "pid": 4242},  # a process of no rank: unattributed
+        {**f, "dst": "203.0.113.9:1"},  # a peer of no rank
+        dict(f),  # delivered twice
+    ]
+    recs = recs[: flows[40]] + bad + recs[flows[40] :]
+    # A guard horizon nearer than the next tick (3 s is the default, a tick
+    # 0.5 s): the horizon then stops a run too.
+    near = StreamConfig(ahead_s=0.2)
+    for make in (Pipeline, JobRouter, lambda: Pipeline(stream=near)):
+        same_both_ways(make, recs)
+    pipe = Pipeline()
+    pipe.feed_batch([dict(r) for r in recs])
+    assert pipe.stats["malformed"] >= 3 and pipe.corr.unattributed_flows >= 2
+    assert pipe.corr.pairs
 
 
 def test_the_per_step_cap_is_kept_in_lists() -> None:

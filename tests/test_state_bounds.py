@@ -142,3 +142,51 @@ def test_quiet_state_goes_after_its_time_to_live() -> None:
     assert not pipe.corr.pairs and "a" not in pipe.corr.hosts_heard
     assert set(pipe.corr.ranks) == set()  # announced, never a step: forgotten
     assert pipe.corr.evicted["pair"] == 1 and pipe.corr.evicted["rank"] == 2
+
+
+def two_ranks(limits: StateLimits) -> Pipeline:
+    """Ranks 0 (host a, 198.18.0.1) and 1 (host b, 198.18.0.2), each with a step
+    filed: busy ranks, never forgotten for being quiet."""
+    pipe = Pipeline(limits=limits)
+    for r in (0, 1):
+        pipe.feed({"kind": "rank", "t": 1000.0, "rank": r, "world_size": 2, "host": "ab"[r],
+                   "pid": r + 1, "addrs": [f"198.18.0.{r + 1}"]})  # fmt: skip
+        pipe.feed({"kind": "step", "rank": r, "step": 0, "start": 1000.0, "end": 1000.5})
+    return pipe
+
+
+def flow(t: float, src_rank: int, tx: int) -> dict:
+    a, b = src_rank + 1, 2 - src_rank
+    return {"kind": "flow", "t": t, "dt": 1.0, "host": "ab"[src_rank], "pid": a,
+            "src": f"198.18.0.{a}:5", "dst": f"198.18.0.{b}:6", "tx_bytes": tx, "rx_bytes": 0}  # fmt: skip
+
+
+def test_a_swept_pair_is_made_anew_when_its_flow_comes_back() -> None:
+    # The flow stays known (its ranks live on) while its pair is swept: its
+    # next sample starts a new pair, not the swept one's samples and totals.
+    pipe = two_ranks(LIMITS)
+    pipe.feed(flow(1001.0, 0, 10))
+    old = pipe.corr.pairs[(0, 1)]
+    for k in range(2, 200):
+        pipe.feed({"kind": "clock", "t": 1000.0 + k, "host": "d"})
+    assert not pipe.corr.pairs and pipe.corr.evicted["pair"] == 1
+    assert set(pipe.corr.ranks) == {0, 1}
+    pipe.feed(flow(1200.0, 0, 7))
+    new = pipe.corr.pairs[(0, 1)]
+    assert new is not old and new.tx_total == 7 and len(new.samples) == 1
+    assert old.tx_total == 10
+    (pf,) = pipe.corr.flow_matrix(1200.0)
+    assert (pf.rank, pf.peer, pf.tx_bytes) == (0, 1, 7)
+
+
+def test_a_flow_with_no_room_for_its_pair_is_counted_each_sample() -> None:
+    limits = StateLimits(max_pairs=1, ttl_s=60.0)
+    pipe = two_ranks(limits)
+    pipe.feed(flow(1001.0, 0, 10))  # (0, 1): the one pair there is room for
+    for k in range(3):
+        assert pipe.corr.add_flow(flow(1001.0 + k, 1, 5)) is None  # (1, 0): no room
+    assert set(pipe.corr.pairs) == {(0, 1)} and pipe.corr.evicted["pair"] == 3
+    for k in range(2, 200):  # (0, 1) goes quiet and is swept: room again
+        pipe.feed({"kind": "clock", "t": 1000.0 + k, "host": "d"})
+    assert pipe.corr.add_flow(flow(1200.0, 1, 5)) == (1, 0)
+    assert set(pipe.corr.pairs) == {(1, 0)} and pipe.corr.evicted["pair"] == 4

@@ -416,12 +416,26 @@ class LeaderDetector:
         recs.sort(key=_when)
         out: list[Record] = []
         pipe = self.pipeline
-        feed, progress, clock = pipe.feed, pipe.progress, pipe.clock
-        for rec in recs:
+        feed, progress, clock, file_flows = pipe.feed, pipe.progress, pipe.clock, pipe.file_flows
+        i, n = 0, len(recs)
+        said: Sequence[Record]
+        while i < n:
+            rec = recs[i]
             kind = type(rec)
-            said = clock(rec) if kind is float else progress(*rec) if kind is tuple else feed(rec)
+            if kind is float:
+                said = clock(rec)
+            elif kind is tuple:
+                said = progress(*rec)
+            else:
+                if rec.get("kind") == "flow":  # a round's flows come together: a run
+                    j = file_flows(recs, i)
+                    if j > i:
+                        i = j
+                        continue
+                said = feed(rec)
             if said:
                 out.extend(said)
+            i += 1
         for v in out:
             ev = v.get("evidence")
             if not isinstance(ev, dict):
