@@ -386,3 +386,59 @@ def test_rank_records_name_the_jobs_store_from_torchruns_environment() -> None:
     assert store_address({"MASTER_ADDR": "fd00::1", "MASTER_PORT": "29500"}) == "[fd00::1]:29500"
     assert store_address({"MASTER_ADDR": "10.0.0.1"}) == ""
     assert store_address({"MASTER_ADDR": "h", "MASTER_PORT": "x"}) == ""
+
+
+def test_a_steady_round_is_read_for_every_node_at_once() -> None:
+    # The leader's usual round: every window one digest of the same run of
+    # keys, alone. Read at once (one numpy read a field for every node), it is
+    # what reading it window by window gives; a round with anything else in
+    # it is read window by window.
+    rng = random.Random(3)
+    keys = list(range(40, 48))
+    digests = [
+        CS.digest_step(
+            7,
+            {r: _colls(rng, r, 7, keys, 0.0) for r in range(4 * i, 4 * i + 4)},
+            {r: {"start": 40.0, "end": 49.0 + r / 10} for r in range(4 * i, 4 * i + 3)},
+        )
+        for i in range(5)
+    ]
+    blobs = [
+        CS.encode(CS.Window(f"node-{i}", 9, 50.0 + i, (), (d,), (), ()))
+        for i, d in enumerate(digests)
+    ]
+    fast = CS._uniform_round(blobs)
+    assert fast is not None
+    assert _as_text(CS.decode_round(blobs).steps[7]) == _as_text(fast.steps[7])
+    slow = CS._round_of_windows(blobs)
+    assert fast.windows == slow.windows and fast.bad == slow.bad == 0
+    assert _as_text(fast.steps[7]) == _as_text(slow.steps[7])
+    assert fast.steps[7].extremes is not None and len(fast.steps[7].groups) == 5
+    assert all(g.keys is fast.steps[7].groups[0].keys for g in fast.steps[7].groups)
+    # Not such a round: a window with a record, two steps, or other keys.
+    other = CS.digest_step(8, {99: _colls(rng, 99, 8, keys, 0.0)})
+    shifted = CS.digest_step(7, {99: _colls(rng, 99, 7, [k + 1 for k in keys], 0.0)})
+    for odd in (
+        CS.Window("x", 9, 51.0, ({"kind": "netdev", "t": 51.0},), (digests[0],), (), ()),
+        CS.Window("x", 9, 51.0, (), (other,), (), ()),
+        CS.Window("x", 9, 51.0, (), (shifted,), (), ()),
+        CS.Window("x", 9, 51.0, (), (digests[0], other), (), ()),
+    ):
+        mixed = [*blobs, CS.encode(odd)]
+        assert CS._uniform_round(mixed) is None
+        assert _as_text(CS.decode_round(mixed).steps[7]) == _as_text(
+            CS._round_of_windows(mixed).steps[7]
+        )
+    # A blob whose group's fixed fields lie (its key count one short, so 16
+    # bytes are left past its columns; keys sent in another form) is left out
+    # and counted, as when read window by window.
+    form_at = CS._HEAD.size + len("node-1") + CS._DIGEST.size
+    for at, value in ((form_at, b"\x01"), (form_at, b"\x07"), (form_at + 9, b"\x07")):
+        lying = bytearray(blobs[1])
+        lying[at : at + 1] = value
+        rnd = CS.decode_round([blobs[0], bytes(lying), blobs[2]])
+        assert rnd.bad == 1 and [w.node for w in rnd.windows] == ["node-0", "node-2"]
+
+
+def _as_text(d: CS.StepDigest) -> str:
+    return repr(_as_lists(d))  # NaN (no step record) equal to NaN

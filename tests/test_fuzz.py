@@ -14,6 +14,7 @@ import json
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -111,8 +112,9 @@ def test_a_damaged_trace_is_a_trace_error_or_reads(suffix: str, flips, cut: int)
 
 
 def _cluster_blobs() -> list[bytes]:
-    """Packed node windows of two shapes: a steady one (digests alone), and one
-    with records, progress points, probe times and keys that are not a run."""
+    """Packed node windows of two shapes: steady ones (digests alone, the same
+    run of keys: the first and the last), and one with records, progress
+    points, probe times and keys that are not a run."""
     from fsdp_sentinel.cluster.summary import Window, digest_step, encode
 
     def colls(rank: int, keys: list) -> list[dict]:
@@ -131,18 +133,21 @@ def _cluster_blobs() -> list[bytes]:
     run = digest_step(2, {r: colls(r, [5, 6, 7]) for r in range(3)}, steps)
     odd = digest_step(2, {r: colls(r, [("dp", 1), ("tp", 4)]) for r in range(3, 5)})
     flow = {"kind": "flow", "t": 12.0, "dt": 1.0, "src": "198.18.0.1:1", "dst": "198.18.0.2:2"}
+    again = digest_step(2, {r: colls(r, [5, 6, 7]) for r in range(5, 7)}, {5: steps[0]})
     return [
         encode(Window("n0", 3, 12.5, (), (run,), (), ())),
         encode(Window("n1", 3, 12.5, (flow,), (odd,), ((3, 12.0, 2, 4),), (("h1", 12.0, 1.0),))),
+        encode(Window("node2", 4, 12.75, (), (again,), (), ())),
     ]
 
 
 CLUSTER_BLOBS = _cluster_blobs()
+STEADY_BLOBS = [CLUSTER_BLOBS[0], CLUSTER_BLOBS[2]]
 
 
 @st.composite
-def damaged_blobs(draw: st.DrawFn) -> bytes:
-    blob = bytearray(draw(st.sampled_from(CLUSTER_BLOBS)))
+def damaged_blobs(draw: st.DrawFn, sources: list[bytes] = CLUSTER_BLOBS) -> bytes:
+    blob = bytearray(draw(st.sampled_from(sources)))
     for _ in range(draw(st.integers(1, 4))):
         how = draw(st.integers(0, 3))
         at = draw(st.integers(0, len(blob)))
@@ -174,3 +179,28 @@ def test_a_damaged_cluster_window_is_refused_alike_by_both_readers(blob: bytes) 
     rnd = decode_round([CLUSTER_BLOBS[0], blob, CLUSTER_BLOBS[1]])
     assert rnd.bad == (0 if alone_ok else 1)
     assert len(rnd.windows) == (3 if alone_ok else 2)
+
+
+def _round_text(rnd: Any) -> str:
+    """A decoded round as comparable text (NaN equal to NaN; columns as lists).
+    A joined digest's ``extremes`` (an optional array of its groups' extremes)
+    is held to its groups' own, not compared."""
+    cols = {}
+    for s, d in rnd.steps.items():
+        if d.extremes is not None:
+            own = [[list(g.longest), list(g.shortest)] for g in d.groups]
+            assert repr(d.extremes.tolist()) == repr(own)
+        cols[s] = tuple(f if isinstance(f, (int, tuple)) else list(f) for f in d[:-1])
+    return repr((rnd.windows, cols, rnd.bad))
+
+
+@FAST
+@given(damaged_blobs(STEADY_BLOBS))
+def test_a_steady_round_read_at_once_is_every_window_read_alone(blob: bytes) -> None:
+    """A steady round (every window one digest of the same run of keys, alone)
+    is read for every node at once (``summary._uniform_round``); with any one
+    of its blobs damaged or not, it reads as window by window."""
+    from fsdp_sentinel.cluster import summary
+
+    blobs = [STEADY_BLOBS[0], blob, STEADY_BLOBS[1]]
+    assert _round_text(summary.decode_round(blobs)) == _round_text(summary._round_of_windows(blobs))

@@ -37,9 +37,9 @@ import math
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import reduce
-from itertools import chain
+from itertools import chain, repeat
 from operator import add, attrgetter, itemgetter, le
 from typing import Any, NamedTuple
 
@@ -639,6 +639,9 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
     blobs = list(blobs)
     if _SWAP:  # the joined views assume little-endian columns
         return _round_of_windows(blobs)
+    uniform = _uniform_round(blobs)
+    if uniform is not None:
+        return uniform
     windows: list[Window] = []
     parts: dict[int, list[_Part]] = {}
     bad = 0
@@ -658,6 +661,113 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
             return _round_of_windows(blobs)
         steps[step] = joined
     return Round(windows, steps, bad)
+
+
+#: The packed head, a digest's and a key group's fixed fields as numpy reads
+#: them for every node of a round at once (the very layouts of _HEAD,
+#: _DIGEST and _GROUP).
+_HEAD_DT = np.dtype(
+    [("magic", "S4"), ("n_json", "<u4"), ("n_node", "<u2"), ("seq", "<i8"), ("t", "<f8"),
+     ("n_digests", "<u4")]
+)  # fmt: skip
+_DIGEST_DT = np.dtype(
+    [("step", "<i8"), ("bad", "<u4"), ("n", "<u4"), ("n_ix", "<u4"), ("n_groups", "<u4")]
+)
+_GROUP_DT = np.dtype([("form", "u1"), ("first", "<i8"), ("nk", "<u4"), ("size", "<u4")])
+_DIGEST_GROUP_DT = np.dtype([("digest", _DIGEST_DT), ("group", _GROUP_DT)])
+assert (_HEAD_DT.itemsize, _DIGEST_DT.itemsize, _GROUP_DT.itemsize) == (
+    _HEAD.size, _DIGEST.size, _GROUP.size,
+)  # fmt: skip
+
+
+def _uniform_round(blobs: list[bytes]) -> Round | None:
+    """:func:`decode_round` of a round whose every window is one digest of the
+    same step alone, its one key group a run of the same keys (a steady job's
+    round: most), read for every node at once: each fixed field one numpy
+    read for the round, each column cut from each blob and joined, and a
+    node costs only the objects it keeps (its window, its key group). None
+    when the round is not such, or not whole (it is then read window by
+    window, which finds what is wrong with which blob).
+
+    Node by node, reading 2,048 heads cost ~5 us each: a fifth of a 16k-rank
+    leader's window. Each blob must be exactly as long as its fields say.
+    """
+    if not blobs:
+        return None
+    try:
+        _, n_json, _, _, _, n_digests = _HEAD.unpack_from(blobs[0])
+    except struct.error:
+        return None
+    if n_json or n_digests != 1:  # the first window says enough, most often
+        return None
+    count = len(blobs)
+    lens = np.fromiter(map(len, blobs), np.int64, count)
+    if lens.min() < _HEAD.size:
+        return None
+    head = _fields(blobs, repeat(0), _HEAD_DT)
+    if not ((head["magic"] == MAGIC).all() and (head["n_json"] == 0).all()
+            and (head["n_digests"] == 1).all()):  # fmt: skip
+        return None
+    d_at = _HEAD.size + head["n_node"].astype(np.int64)  # in each blob: its digest
+    x_at = d_at + _DIGEST.size + _GROUP.size  # its group's extremes, then its columns
+    if (x_at > lens).any():
+        return None
+    at_digest = d_at.tolist()
+    fixed = _fields(blobs, at_digest, _DIGEST_GROUP_DT)
+    dig, grp = fixed["digest"], fixed["group"]
+    step, first, nk = int(dig["step"][0]), int(grp["first"][0]), int(grp["nk"][0])
+    if not ((dig["n_groups"] == 1).all() and (grp["form"] == _RUN).all()
+            and (dig["step"] == step).all() and (grp["first"] == first).all()
+            and (grp["nk"] == nk).all()):  # fmt: skip
+        return None
+    n, n_ix = dig["n"].astype(np.int64), dig["n_ix"].astype(np.int64)
+    f_at = x_at + 16 * nk
+    i_at = f_at + 32 * n
+    if not np.array_equal(i_at + 16 * n + 4 * n_ix, lens):
+        return None
+    try:
+        nodes = [str(b[_HEAD.size : k], "utf-8") for b, k in zip(blobs, at_digest, strict=True)]
+    except UnicodeDecodeError:
+        return None
+    keys = _RUNS.get((first, nk)) or _run(first, nk)
+    cuts = list(zip(blobs, x_at.tolist(), f_at.tolist(), i_at.tolist(), strict=True))
+    ext = b"".join([b[x:f] for b, x, f, _ in cuts])
+    groups = [
+        _new(KeyGroup, (keys, tuple(hi), tuple(lo), size))
+        for (hi, lo), size in zip(
+            np.frombuffer(ext, "<f8").reshape(count, 2, nk).tolist(),
+            grp["size"].tolist(),
+            strict=True,
+        )
+    ]
+    joined = _joined_columns(
+        step,
+        n,
+        n_ix,
+        np.frombuffer(b"".join([b[f:i] for b, _, f, i in cuts]), "<f8"),
+        np.frombuffer(b"".join([b[i:] for b, _, _, i in cuts]), "<i4").astype(np.int64),
+        groups,
+        np.ones(count, dtype=np.int64),
+        int(dig["bad"].sum()),
+        lambda: ext,
+    )
+    if joined is None:
+        return None
+    empty = ()
+    windows = [
+        _new(Window, (node, seq, t, empty, empty, empty, empty))
+        for node, seq, t in zip(nodes, head["seq"].tolist(), head["t"].tolist(), strict=True)
+    ]
+    return Round(windows, {step: joined}, 0)
+
+
+def _fields(blobs: list[bytes], at: Iterable[int], dtype: np.dtype) -> np.ndarray:
+    """Each blob's fixed fields of ``dtype`` from its offset in ``at`` (all there:
+    the caller checked the lengths), one record a blob."""
+    width = dtype.itemsize
+    return np.frombuffer(
+        b"".join([b[a : a + width] for b, a in zip(blobs, at, strict=False)]), dtype
+    )
 
 
 def _round_of_windows(blobs: list[bytes]) -> Round:
@@ -752,12 +862,39 @@ _new = tuple.__new__
 def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
     """Every node's digest of ``step`` joined, columns read in one go; None when
     one node's columns do not agree (:func:`_check`'s rules)."""
-    n = np.array([p.n for p in parts], dtype=np.int64)
-    n_ix = np.array([p.n_ix for p in parts], dtype=np.int64)
+    return _joined_columns(
+        step,
+        np.array([p.n for p in parts], dtype=np.int64),
+        np.array([p.n_ix for p in parts], dtype=np.int64),
+        np.frombuffer(b"".join([p.floats for p in parts]), dtype="<f8"),
+        np.frombuffer(b"".join([p.ints for p in parts]), dtype="<i4").astype(np.int64),
+        [g for p in parts for g in p.groups],
+        np.array([len(p.groups) for p in parts], dtype=np.int64),
+        sum(p.malformed for p in parts),
+        lambda: b"".join([e for p in parts for e in p.extremes]),
+    )
+
+
+def _joined_columns(
+    step: int,
+    n: np.ndarray,
+    n_ix: np.ndarray,
+    floats: np.ndarray,
+    ints: np.ndarray,
+    groups: list[KeyGroup],
+    n_groups: np.ndarray,
+    malformed: int,
+    extremes: Callable[[], bytes],
+) -> StepDigest | None:
+    """The joined digest of ``step`` from every node's columns laid end to end
+    (per node: ``n`` ranks, ``n_ix`` last positions, ``n_groups`` of
+    ``groups``; ``floats`` its four float columns, ``ints`` its four int
+    columns then its last positions; ``extremes()`` every group's extremes'
+    bytes), checked as :func:`_check` checks each node's; None when one
+    node's do not agree."""
+    nodes = len(n)
     total, total_ix = int(n.sum()), int(n_ix.sum())
-    floats = np.frombuffer(b"".join([p.floats for p in parts]), dtype="<f8")
-    ints = np.frombuffer(b"".join([p.ints for p in parts]), dtype="<i4").astype(np.int64)
-    node = np.repeat(np.arange(len(parts)), n)  # each rank's part
+    node = np.repeat(np.arange(nodes), n)  # each rank's part
     pos = np.arange(total) - _starts(n)[node]  # a rank's place in its part
     f_at = _starts(4 * n)[node] + pos
     i_start = _starts(4 * n + n_ix)
@@ -771,22 +908,20 @@ def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
         return ints[i_at + c * per]
 
     ranks, n_coll, group, last_n = i(0), i(1), i(2), i(3)
-    ix_node = np.repeat(np.arange(len(parts)), n_ix)
+    ix_node = np.repeat(np.arange(nodes), n_ix)
     ix = ints[(i_start + 4 * n)[ix_node] + np.arange(total_ix) - _starts(n_ix)[ix_node]]
-    groups = [g for p in parts for g in p.groups]
-    n_groups = np.array([len(p.groups) for p in parts], dtype=np.int64)
     # The checks decode makes of each node's digest, for every node at once.
-    ok = np.bincount(node, weights=last_n, minlength=len(parts)) == n_ix
+    ok = np.bincount(node, weights=last_n, minlength=nodes) == n_ix
     ok &= np.bincount(node, weights=(group < -1) | (group >= n_groups[node]),
-                      minlength=len(parts)) == 0  # fmt: skip
+                      minlength=nodes) == 0  # fmt: skip
     if not ok.all():
         return None
     at = np.where(group >= 0, group + _starts(n_groups)[node], -1)
     keys = np.array([len(g.keys) for g in groups] + [0], dtype=np.int64)
     if not np.array_equal(keys[at], n_coll):  # -1 (no group): the 0 at the end
         return None
-    widest = np.zeros(len(parts) + 1, dtype=np.int64)
-    g_node = np.repeat(np.arange(len(parts)), n_groups)
+    widest = np.zeros(nodes + 1, dtype=np.int64)
+    g_node = np.repeat(np.arange(nodes), n_groups)
     np.maximum.at(widest, g_node, keys[:-1])
     if total_ix and ((ix < 0).any() or (ix >= widest[ix_node]).any()):
         return None
@@ -802,15 +937,15 @@ def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
         _column(f(3), "d"),
         _column(last_n, "i"),
         _column(ix, "i"),
-        sum(p.malformed for p in parts),
-        _extremes_joined(parts, keys[:-1]),
+        malformed,
+        _extremes_joined(extremes, keys[:-1]),
     )
 
 
-def _extremes_joined(parts: list[_Part], widths: np.ndarray) -> np.ndarray | None:
+def _extremes_joined(extremes: Callable[[], bytes], widths: np.ndarray) -> np.ndarray | None:
     """Every group's extremes as one (groups, 2, keys) array, when every group
     has as many keys (else None: each group's own tuples serve)."""
     if not len(widths) or (widths != widths[0]).any():
         return None
-    raw = np.frombuffer(b"".join([e for p in parts for e in p.extremes]), dtype="<f8")
+    raw = np.frombuffer(extremes(), dtype="<f8")
     return raw.astype(np.float64).reshape(len(widths), 2, int(widths[0]))
