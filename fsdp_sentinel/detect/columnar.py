@@ -185,14 +185,24 @@ def judge(
         has_now = matched
         lates = ctx.lates_array if ctx.lates_array is not None else np.asarray(ctx.lates_sorted)
         v = late[has_now]
-        at = np.searchsorted(lates, v, side="left")  # stats.median_without, per rank
+        # stats.median_without, per rank: the median of the others' lateness
+        # is the sorted lateness's middle, moved one on where the rank's own
+        # (its place: the count of values below it) lies at or before it.
         m = ctx.n_lates - 1
         mid = m // 2
-        upper = np.where(mid < at, lates[mid], lates[mid + 1])
+        past_mid: np.ndarray
+        past_before: np.ndarray | bool
+        if np.isnan(v).any() or np.isnan(lates).any():  # NaN has no place by comparison
+            at = np.searchsorted(lates, v, side="left")
+            past_mid, past_before = mid < at, mid - 1 < at
+        else:  # a place past i is lates[i] < v: two comparisons, not a search
+            past_mid = lates[mid] < v
+            past_before = lates[mid - 1] < v if mid else True
+        upper = np.where(past_mid, lates[mid], lates[mid + 1])
         if m % 2:
             med = upper
         else:
-            lower = np.where(mid - 1 < at, lates[mid - 1], lates[mid])
+            lower = np.where(past_before, lates[mid - 1], lates[mid])
             med = (lower + upper) / 2.0
         rel_now[has_now] = (v - med) / np.maximum(np.maximum(ref - v, 0.1 * ref), 1e-9)
     now_rows, now_vals = rows[has_now], rel_now[has_now]
