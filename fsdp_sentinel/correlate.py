@@ -69,9 +69,10 @@ _FIELDS = itemgetter(*(KEY[f] for f in ("seq", "issue", "end", "op", "bytes")))
 # exactly this kind of per-step work). They are just as immutable.
 
 
-#: A named tuple made from its fields' tuple in C, skipping the Python-level
-#: constructor each NamedTuple class has (for those made per pair).
-_new = tuple.__new__
+#: ``new_tuple(Cls, fields)``: a named tuple made from its fields' tuple in C,
+#: skipping the Python-level constructor each NamedTuple class has (for those
+#: made per pair here, per node in ``cluster.summary``).
+new_tuple = tuple.__new__
 
 
 class PairFlow(NamedTuple):
@@ -1507,8 +1508,8 @@ class Correlator:
         for key in stale:
             del self.pairs[key]
         if stale:
-            # Flows cached to a pair now gone file into a new one, as a
-            # flow first seen would.
+            # Flows cached to a pair now gone fall back to its (rank, peer):
+            # their next sample makes a new pair.
             cache, gone = self._flow_cache, set(stale)
             for flow in [f for f, p in cache.items() if type(p) is _Pair and p.key in gone]:
                 cache[flow] = cache[flow].key  # type: ignore[union-attr]
@@ -2054,7 +2055,7 @@ class Correlator:
                     wbytes += w
             # Made from its fields' tuple in C (every pair, every new sample:
             # 16k pairs a second at 16k ranks), in PairFlow's field order.
-            view = pair.view = _new(
+            view = pair.view = new_tuple(
                 PairFlow,
                 (key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans,
                  tuple(samples), pair.loopback, dsack),

@@ -47,7 +47,7 @@ import numpy as np
 import orjson
 
 from fsdp_sentinel import correlate
-from fsdp_sentinel.correlate import RankStep, blocked_s, step_columns, top_seq
+from fsdp_sentinel.correlate import RankStep, blocked_s, new_tuple, step_columns, top_seq
 from fsdp_sentinel.rankstep import StepRanks
 
 Record = dict[str, Any]
@@ -628,11 +628,12 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
     """Every packed window of one round, as :func:`decode` reads each, with each
     step's digests joined (what the leader files).
 
-    A node's window is read for its head and its digests' place only; each
-    step's columns are then read for every node at once, their bytes joined,
-    and checked as :func:`decode` checks them, in a few array operations (a
-    node at a time, reading and checking them cost 2,048 nodes' worth of
-    Python a round at 16k ranks). A blob that is not a window is left out
+    A steady round (every window one digest of one step alone) is read for
+    every node at once (:func:`_uniform_round`). Otherwise a node's window is
+    read for its head and its digests' place only, and each step's columns
+    for every node at once: their bytes joined, and checked as :func:`decode`
+    checks them, in a few array operations (a node at a time, reading and
+    checking them cost 2,048 nodes' worth of Python a round at 16k ranks). A blob that is not a window is left out
     alone; when a step's columns fail a check, the round is read window by
     window (:func:`decode`) to find the blob at fault.
     """
@@ -729,11 +730,11 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
         nodes = [str(b[_HEAD.size : k], "utf-8") for b, k in zip(blobs, at_digest, strict=True)]
     except UnicodeDecodeError:
         return None
-    keys = _RUNS.get((first, nk)) or _run(first, nk)
+    keys = _run(first, nk)  # once a round
     cuts = list(zip(blobs, x_at.tolist(), f_at.tolist(), i_at.tolist(), strict=True))
     ext = b"".join([b[x:f] for b, x, f, _ in cuts])
     groups = [
-        _new(KeyGroup, (keys, tuple(hi), tuple(lo), size))
+        new_tuple(KeyGroup, (keys, tuple(hi), tuple(lo), size))
         for (hi, lo), size in zip(
             np.frombuffer(ext, "<f8").reshape(count, 2, nk).tolist(),
             grp["size"].tolist(),
@@ -755,7 +756,7 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
         return None
     empty = ()
     windows = [
-        _new(Window, (node, seq, t, empty, empty, empty, empty))
+        new_tuple(Window, (node, seq, t, empty, empty, empty, empty))
         for node, seq, t in zip(nodes, head["seq"].tolist(), head["t"].tolist(), strict=True)
     ]
     return Round(windows, {step: joined}, 0)
@@ -830,18 +831,18 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
             hi, lo = unpack(data, at), unpack(data, at + 8 * nk)  # struct.error when short
             extremes.append(view[at : at + 16 * nk])
             at += 16 * nk
-            groups.append(_new(KeyGroup, (k, hi, lo, size)))
+            groups.append(new_tuple(KeyGroup, (k, hi, lo, size)))
         f_end = at + 32 * n
         i_end = f_end + 16 * n + 4 * n_ix
         if i_end > len(data):
             raise ValueError("a column runs past the end")
         part = (tuple(groups), n, n_ix, view[at:f_end], view[f_end:i_end], bad, extremes)
-        found.append((step, _new(_Part, part)))
+        found.append((step, new_tuple(_Part, part)))
         at = i_end
     if at != len(data):
         raise ValueError(f"{len(data) - at} bytes past the last column")
     if not (records or progress or heard):  # a window of digests alone (most)
-        return _new(Window, (node, seq, clock, (), (), (), ())), found
+        return new_tuple(Window, (node, seq, clock, (), (), (), ())), found
     w = Window(
         node,
         seq,
@@ -852,11 +853,6 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
         tuple((str(h), float(t), float(dt)) for h, t, dt in heard) if heard else (),
     )
     return w, found
-
-
-#: A named tuple made from its fields' tuple in C, without the Python-level
-#: constructor each class has (three a node, 2,048 nodes a round).
-_new = tuple.__new__
 
 
 def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:
