@@ -599,6 +599,15 @@ def loopback_endpoint(endpoint: object) -> bool:
     return isinstance(endpoint, str) and endpoint.startswith(_LOOPBACK_PREFIXES)
 
 
+#: A flow's identity: (host, pid, local endpoint, remote endpoint).
+FlowKey = tuple[Any, Any, Any, Any]
+#: A flow sample as filed: (t, dt, tx, rx, srtt_us or None, retrans, cwnd or
+#: None, dsack_dups).
+FlowSample = tuple[float, float, int, int, Any, int, Any, int]
+#: What a flow sample without a record names of its ranks: nothing.
+_NO_RANKS: Record = {}
+
+
 class _Pair:
     """A directed pair's flow samples over the window, and its totals."""
 
@@ -619,8 +628,7 @@ class _Pair:
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key  # (rank, peer)
-        # (t, dt, tx, rx, srtt_us or None, retrans, cwnd or None, dsack_dups)
-        self.samples: deque[tuple[float, float, int, int, float | None, int, Any, int]] = deque()
+        self.samples: deque[FlowSample] = deque()
         self.tx_total = 0
         self.rx_total = 0
         self.retrans_total = 0
@@ -1325,7 +1333,7 @@ class Correlator:
             r = self._addr_rank.get(_ip(dst))
         return r
 
-    def _attribute(self, key: tuple[Any, Any, Any, Any], rec: Record) -> tuple[int, int] | None:
+    def _attribute(self, key: FlowKey, rec: Record) -> tuple[int, int] | None:
         """The ``(rank, peer)`` of a flow not in the cache, from the maps (then
         cached); None when it names no pair of the job's."""
         host, pid, src, dst = key
@@ -1408,20 +1416,58 @@ class Correlator:
             pair = self._pair_of(key, rec, pair)
             if pair is None:
                 return None
-        tx = int(rec["tx_bytes"])
-        rx = int(rec["rx_bytes"])
-        dt = float(rec["dt"])
-        srtt = rec.get("srtt_us")
-        retrans = int(rec.get("retrans") or 0)
-        t = float(rec["t"])
+        sample = (
+            float(rec["t"]), float(rec["dt"]), int(rec["tx_bytes"]), int(rec["rx_bytes"]),
+            rec.get("srtt_us"), int(rec.get("retrans") or 0), rec.get("cwnd"),
+            int(rec.get("dsack_dups") or 0),
+        )  # fmt: skip
+        self._file_sample(pair, rec["src"], sample)
+        self._matrix = None
+        return pair.key
+
+    def add_flow_rows(self, keys: Sequence[FlowKey], samples: Sequence[FlowSample]) -> None:
+        """File flow samples as :meth:`add_flow` files their records, in order:
+        ``keys[i]`` is sample ``i``'s ``(host, pid, src, dst)``, ``samples[i]``
+        its figures as filed (``FlowSample``), with no rank or peer named.
+
+        A leader's round of a big job carries a flow sample a rank each
+        second (``cluster.flowrows``): made from a round's columns, they are
+        filed without a record, a dict lookup or a conversion each.
+        """
+        cache, heard, file_sample = self._flow_cache, self.hosts_heard, self._file_sample
+        max_hosts = self.limits.max_hosts
+        filed = False
+        for key, sample in zip(keys, samples, strict=True):
+            # heard_host, inlined
+            host, t = key[0], sample[0]
+            h = heard.get(host)
+            if h is None:
+                if len(heard) >= max_hosts:
+                    self.evicted["host"] += 1
+                else:
+                    heard[host] = [t, sample[1]]
+            elif t > h[0]:
+                h[0] = t
+                h[1] = sample[1]
+            pair = cache.get(key)
+            if type(pair) is not _Pair:  # not narrowed by mypy: the (rank, peer), or None
+                pair = self._pair_of(key, _NO_RANKS, pair)  # type: ignore[arg-type]
+                if pair is None:
+                    continue
+            file_sample(pair, key[2], sample)
+            filed = True
+        if filed:
+            self._matrix = None
+
+    def _file_sample(self, pair: _Pair, src: str, sample: FlowSample) -> None:
+        """Add one attributed sample (from local endpoint ``src``) to its pair."""
+        t, dt, tx, rx, srtt, retrans, _cwnd, dsack = sample
         samples = pair.samples
-        dsack = int(rec.get("dsack_dups") or 0)
-        samples.append((t, dt, tx, rx, srtt, retrans, rec.get("cwnd"), dsack))
+        samples.append(sample)
         if t > pair.last_t:
             pair.last_t = t
         self.flow_dt = dt
         pair.view = None
-        self._matrix = None
         # Keep memory flat when no step ever completes (probes, no trainer).
         while samples[0][0] < t - 2 * self.flow_window_s:
             samples.popleft()
@@ -1429,18 +1475,15 @@ class Correlator:
         pair.rx_total += rx
         pair.retrans_total += retrans
         pair.dsack_total += dsack
-        if pair.loopback and not loopback_endpoint(rec["src"]):
+        if pair.loopback and not loopback_endpoint(src):
             pair.loopback = False
         if srtt is not None:
             pair.srtt_us = float(srtt)
         if dt > 0:
             pair.tx_rate = tx / dt
             pair.rx_rate = rx / dt
-        return pair.key
 
-    def _pair_of(
-        self, key: tuple[Any, Any, Any, Any], rec: Record, hit: tuple[int, int] | None
-    ) -> _Pair | None:
+    def _pair_of(self, key: FlowKey, rec: Record, hit: tuple[int, int] | None) -> _Pair | None:
         """The pair a flow files into when the cache has no pair for it (made, and
         cached, when there is room); None when none (counted)."""
         if hit is None:

@@ -19,6 +19,7 @@ import pytest
 from fsdp_sentinel import synth as S
 from fsdp_sentinel import trace
 from fsdp_sentinel.cluster import summary as CS
+from fsdp_sentinel.cluster.flowrows import FlowRowsBuilder
 from fsdp_sentinel.cluster.leader import (
     LeaderDetector,
     Liveness,
@@ -415,11 +416,39 @@ def test_a_steady_round_is_read_for_every_node_at_once() -> None:
     assert _as_text(fast.steps[7]) == _as_text(slow.steps[7])
     assert fast.steps[7].extremes is not None and len(fast.steps[7].groups) == 5
     assert all(g.keys is fast.steps[7].groups[0].keys for g in fast.steps[7].groups)
-    # Not such a round: a window with a record, two steps, or other keys.
+    # Windows that carry records, progress, probe polls or flow rows beside
+    # such a digest are read at once too (a job whose steps outlast the probe
+    # interval: every round), each as read alone.
+    rows = FlowRowsBuilder()
+    for rec in _flows(3, "node-x", 50.5):
+        rows.add(rec)
+    with_more = [
+        *blobs,
+        CS.encode(
+            CS.Window(
+                "node-x",
+                9,
+                51.0,
+                ({"kind": "conn", "t": 50.5, "what": "open"},),
+                (digests[0],),
+                ((0, 50.2, 7, 47),),
+                (("host-x", 50.5, 1.0),),
+                rows.take(),
+            )
+        ),  # fmt: skip
+        CS.encode(CS.Window("node-y", 9, 51.0, (), (digests[1],), (), (), rows.take())),
+    ]
+    fast = CS._uniform_round(with_more)
+    slow = CS._round_of_windows(with_more)
+    assert fast is not None and fast.windows == slow.windows
+    assert fast.windows[5].heard == (("host-x", 50.5, 1.0),) and len(fast.flows) == 3
+    assert _as_text(fast.steps[7]) == _as_text(slow.steps[7])
+    assert fast.flows.rows.tobytes() == slow.flows.rows.tobytes()
+    assert fast.flows.strings.tolist() == slow.flows.strings.tolist()
+    # Not such a round: two steps, or other keys.
     other = CS.digest_step(8, {99: _colls(rng, 99, 8, keys, 0.0)})
     shifted = CS.digest_step(7, {99: _colls(rng, 99, 7, [k + 1 for k in keys], 0.0)})
     for odd in (
-        CS.Window("x", 9, 51.0, ({"kind": "netdev", "t": 51.0},), (digests[0],), (), ()),
         CS.Window("x", 9, 51.0, (), (other,), (), ()),
         CS.Window("x", 9, 51.0, (), (shifted,), (), ()),
         CS.Window("x", 9, 51.0, (), (digests[0], other), (), ()),
@@ -438,6 +467,23 @@ def test_a_steady_round_is_read_for_every_node_at_once() -> None:
         lying[at : at + 1] = value
         rnd = CS.decode_round([blobs[0], bytes(lying), blobs[2]])
         assert rnd.bad == 1 and [w.node for w in rnd.windows] == ["node-0", "node-2"]
+
+
+def _flows(n: int, host: str, t: float) -> list[dict]:
+    """``n`` plain flow records of ``host`` at ``t``, in the probes' forms (int
+    srtt, float srtt, none; a cwnd or not; D-SACKs or not)."""
+    out = []
+    for i in range(n):
+        rec = {"kind": "flow", "t": t, "dt": 1.0, "host": host, "pid": 100 + i,
+               "src": f"198.18.0.{i}:4000", "dst": f"198.18.1.{i}:29500",
+               "tx_bytes": 1000 * i, "rx_bytes": 7, "retrans": i % 2}  # fmt: skip
+        if i % 3 != 2:
+            rec["srtt_us"] = 250 + i if i % 3 == 0 else 250.5 + i
+        if i % 2:
+            rec["cwnd"] = 10 + i
+            rec["dsack_dups"] = 1
+        out.append(rec)
+    return out
 
 
 def _as_text(d: CS.StepDigest) -> str:

@@ -22,12 +22,14 @@ so rank 0's node leads) that is not dark.
 from __future__ import annotations
 
 import gc
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
+from fsdp_sentinel.cluster.flowrows import FlowTable, cwnd_values, flow_table, srtt_values
 from fsdp_sentinel.cluster.summary import (
     Round,
     StepDigest,
@@ -40,6 +42,8 @@ from fsdp_sentinel.cluster.summary import (
 from fsdp_sentinel.cluster.summary import decode_round as summary_decode_round
 from fsdp_sentinel.correlate import (
     Correlator,
+    FlowKey,
+    FlowSample,
     LivenessColumns,
     RankLiveness,
     StateLimits,
@@ -310,6 +314,37 @@ class LeaderPipeline(Pipeline):
         totals["clock"] = totals.get("clock", 0) + 1
         return self._clock_to(t)
 
+    def file_flow_rows(self, line: FlowLine, k: int, end: int) -> list[Record]:
+        """File rows ``k .. end - 1`` of a round's flow line as ``feed`` would file
+        their records, in turn; the verdict records that caused.
+
+        Rows that need nothing but filing (their time within the guard's
+        horizon and before the next tick, as :meth:`file_flows` asks) are
+        filed together (:meth:`Correlator.add_flow_rows`); any other row, and
+        every row while an observer watches flows, is fed as its record.
+        """
+        out: list[Record] = []
+        ts = line.t
+        while k < end:
+            j = k
+            if self.observer is None:  # the line is in time order
+                j = min(
+                    bisect_right(ts, self._horizon, k, end),
+                    bisect_left(ts, self._next_tick, k, end),
+                )
+            if j > k:
+                self.corr.add_flow_rows(line.keys[k:j], line.samples[k:j])
+                self._totals["flow"] = self._totals.get("flow", 0) + j - k
+                if ts[j - 1] > self.now:
+                    self.now = ts[j - 1]
+            if j < end:
+                said = self.feed(line.record(j))
+                if said:
+                    out.extend(said)
+                j += 1
+            k = j
+        return out
+
     def progress(self, t: float, rank: int, step: int, seq: int) -> list[Record]:
         """``feed`` of a ``progress`` record with these fields, without the record:
         the leader gets one per rank per window (16k a window at 16k ranks)."""
@@ -354,11 +389,14 @@ class LeaderDetector:
         them from the store (each step's digests already joined)."""
         with collector_held():
             if isinstance(windows, Round):
-                return self._ingest(windows.windows, windows.steps)
-            return self._ingest(windows, None)
+                return self._ingest(windows.windows, windows.steps, windows.flows)
+            return self._ingest(windows, None, flow_table([w.flows for w in windows]))
 
     def _ingest(
-        self, windows: Sequence[Window], joined: Mapping[int, StepDigest] | None
+        self,
+        windows: Sequence[Window],
+        joined: Mapping[int, StepDigest] | None,
+        flows: FlowTable,
     ) -> list[Record]:
         corr = self.corr
         # records, progress points (t, rank, step, seq), and node clocks (t)
@@ -385,8 +423,12 @@ class LeaderDetector:
                      "end": end, "digest": d}
                 )  # fmt: skip
         self.windows += len(windows)
+        # Where each window's flow rows go in ``recs``: after its records,
+        # before its clock (as if its records had ended with them).
+        flows_at: list[int] = []
         for w in windows:
             if not (w.progress or w.heard or w.records):
+                flows_at.append(len(recs))
                 recs.append(float(w.t))
                 continue  # a window of digests alone (most, in a steady job)
             ranks = self.node_ranks.setdefault(w.node, set())
@@ -412,14 +454,24 @@ class LeaderDetector:
                     ranks.add(rec["rank"])
                     hosts.add(rec["host"])
             recs.extend(w.records)
+            flows_at.append(len(recs))
             recs.append(float(w.t))  # after the window's own records (a stable sort)
-        recs.sort(key=_when)
+        times = np.fromiter(map(_when, recs), np.float64, len(recs))
+        ranked = np.argsort(times, kind="stable")  # a time that is not a number: last
+        recs = list(map(recs.__getitem__, ranked.tolist()))
         out: list[Record] = []
         pipe = self.pipeline
         feed, progress, clock, file_flows = pipe.feed, pipe.progress, pipe.clock, pipe.file_flows
         i, n = 0, len(recs)
+        # The flow rows go between: before item i, rows up to due[i].
+        line = FlowLine(flows) if len(flows) else None
+        due = line.due(times[ranked], ranked, np.array(flows_at)) if line else []
+        k = 0
         said: Sequence[Record]
         while i < n:
+            if line is not None and due[i] > k:
+                out.extend(pipe.file_flow_rows(line, k, due[i]))
+                k = due[i]
             rec = recs[i]
             kind = type(rec)
             if kind is float:
@@ -436,12 +488,71 @@ class LeaderDetector:
             if said:
                 out.extend(said)
             i += 1
+        if line is not None and k < len(line):
+            out.extend(pipe.file_flow_rows(line, k, len(line)))
         for v in out:
             ev = v.get("evidence")
             if not isinstance(ev, dict):
                 ev = v["evidence"] = {}
             ev["view"] = "cluster"
         return out
+
+
+class FlowLine:
+    """A round's flow rows (:class:`~fsdp_sentinel.cluster.flowrows.FlowTable`) in
+    time order, as the correlator files them: ``t``, ``keys`` and ``samples``
+    (:meth:`Correlator.add_flow_rows`), made for every row at once.
+
+    Rows of one time keep their windows' order, and a window's rows their own.
+    """
+
+    def __init__(self, table: FlowTable) -> None:
+        rows = table.rows
+        self.table = table
+        t = rows["t"]
+        if (t[1:] >= t[:-1]).all():  # in order already (a round's rows: one poll time, most)
+            self.order, got = np.arange(len(t)), rows
+        else:
+            self.order = np.argsort(t, kind="stable")
+            got = rows[self.order]
+        self.t: list[float] = got["t"].tolist()
+        s = table.strings
+        self.keys: list[FlowKey] = list(
+            zip(s[got["host"]].tolist(), got["pid"].tolist(), s[got["src"]].tolist(),
+                s[got["dst"]].tolist(), strict=True)
+        )  # fmt: skip
+        # absent: retrans and dsack_dups 0, srtt_us and cwnd None (as filed)
+        self.samples: list[FlowSample] = list(
+            zip(self.t, got["dt"].tolist(), got["tx"].tolist(), got["rx"].tolist(),
+                srtt_values(got), got["retrans"].tolist(), cwnd_values(got),
+                got["dsack"].tolist(), strict=True)
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def record(self, j: int) -> Record:
+        """Row ``j`` (in time order) as its record."""
+        return self.table.record(int(self.order[j]))
+
+    def due(self, times: np.ndarray, slots: np.ndarray, flows_at: np.ndarray) -> list[int]:
+        """Per item of the round's time line (``times``: in order; ``slots``: each
+        one's place before it was sorted), how many rows go before it; one more
+        entry, all of them.
+
+        A row goes where its record would have gone in the time line: by
+        time, then by place, its window's ``flows_at`` (a row goes before the
+        item it shares its place with: its window's clock).
+        """
+        t = self.table.rows["t"][self.order]
+        at = flows_at[self.table.window[self.order]]
+        # (time, place) pairs as one integer each, to compare both at once.
+        codes = np.unique(np.concatenate([times, t]))
+        width = len(times) + 1
+        items = np.searchsorted(codes, times).astype(np.int64) * width + slots
+        rows = np.searchsorted(codes, t).astype(np.int64) * width + at
+        before = np.searchsorted(items, rows, side="left")  # items ahead of each row
+        return np.searchsorted(before, np.arange(len(times) + 1), side="right").tolist()  # type: ignore[no-any-return]
 
 
 @contextmanager

@@ -11,14 +11,17 @@ summarises a step before it has every node's collectives of it.
 
 Probe ``netdev`` records are not forwarded: only the time of each host's
 probe polls is (``Window.heard``: what silent-loss detection reads, and what
-moves the leader's clock as the records moved the single daemon's). Everything else the
-leader needs is small and forwarded as is.
+moves the leader's clock as the records moved the single daemon's). Flow
+records the probes wrote go as fixed-width rows (``flowrows``: at 16k ranks,
+16k a probe interval); everything else the leader needs is small and
+forwarded as is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fsdp_sentinel.cluster.flowrows import FlowRowsBuilder, plain
 from fsdp_sentinel.cluster.summary import StepDigest, Window, digest_step, step_times
 
 Record = dict[str, Any]
@@ -40,6 +43,7 @@ class NodeWindows:
         self._steps: dict[int, dict[int, Record]] = {}  # step -> rank -> step record
         self._done = -(10**18)  # newest step digested
         self._out: list[Record] = []
+        self._flows = FlowRowsBuilder()  # plain flow records, as rows
         self._digests: list[StepDigest] = []
         self._progress: dict[tuple[int, int], list[Any]] = {}  # (rank, step) -> [t, top seq]
         self._heard: dict[tuple[str, float], float] = {}  # (host, poll time) -> dt
@@ -99,7 +103,10 @@ class NodeWindows:
             if isinstance(host, str) and type(t) in (int, float) and type(dt) in (int, float):
                 self._heard[(host, float(t))] = float(dt)
             if kind == "flow":
-                self._out.append(rec)
+                if plain(rec):
+                    self._flows.add(rec)
+                else:
+                    self._out.append(rec)
         elif kind in FORWARDED:
             if kind == "rank" and type(rec.get("rank")) is int:
                 self._ranks.add(rec["rank"])
@@ -142,6 +149,7 @@ class NodeWindows:
             tuple(self._digests),
             progress,
             tuple(heard),
+            self._flows.take(),
         )
         self.seq += 1
         self._out = []

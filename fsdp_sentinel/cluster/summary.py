@@ -47,6 +47,7 @@ import numpy as np
 import orjson
 
 from fsdp_sentinel import correlate
+from fsdp_sentinel.cluster.flowrows import NO_FLOWS, NO_TABLE, ROW, FlowRows, FlowTable, flow_table
 from fsdp_sentinel.correlate import RankStep, blocked_s, new_tuple, step_columns, top_seq
 from fsdp_sentinel.rankstep import StepRanks
 
@@ -107,7 +108,8 @@ class Window(NamedTuple):
 
     ``progress``: ``(rank, t, step, top_seq)`` per rank and step it sent
     collectives of in the window (``t`` its newest record's); ``heard``:
-    ``(host, t, dt)`` of each probe poll in the window; ``t``: the node's clock.
+    ``(host, t, dt)`` of each probe poll in the window; ``t``: the node's clock;
+    ``flows``: its plain flow records as rows (``records`` holds any other).
     """
 
     node: str
@@ -117,6 +119,7 @@ class Window(NamedTuple):
     digests: tuple[StepDigest, ...]
     progress: tuple[tuple[int, float, int, int], ...]
     heard: tuple[tuple[str, float, float], ...]
+    flows: FlowRows = NO_FLOWS
 
 
 def _time(v: Any) -> float | None:
@@ -446,9 +449,11 @@ def group_top_seqs(d: StepDigest) -> list[int]:
 #: the leader's cost of reading a node's window (``bench/leader_scale``:
 #: 2,048 nodes a window). FSW3 had a JSON head; each digest's per-rank
 #: columns are in two blocks since then (its floats, then its integers).
-MAGIC = b"FSW4"
-#: magic, JSON bytes, node-name bytes, window seq, clock, digests
-_HEAD = struct.Struct("<4sIHqdI")
+#: FSW5: plain flow records as rows (``flowrows``) after the JSON, which
+#: lists their strings.
+MAGIC = b"FSW5"
+#: magic, JSON bytes, node-name bytes, window seq, clock, digests, flow rows
+_HEAD = struct.Struct("<4sIHqdII")
 #: step, records dropped, ranks, last positions, key groups
 _DIGEST = struct.Struct("<qIIII")
 #: how its keys are sent (_RUN: ``first`` and the count; _LISTED: the next
@@ -561,11 +566,14 @@ def encode(w: Window) -> bytes:
             _pack("i", chain(d.ranks, d.n_coll, d.group, d.last_n)),
             _pack("i", d.last_ix),
         ]
-    extra = {"records": w.records, "progress": w.progress, "heard": w.heard, "keys": listed}
+    extra = {
+        "records": w.records, "progress": w.progress, "heard": w.heard, "keys": listed,
+        "strings": w.flows.strings,
+    }  # fmt: skip
     tail = orjson.dumps(extra) if any(extra.values()) else b""
     node = w.node.encode()
-    head = _HEAD.pack(MAGIC, len(tail), len(node), w.seq, w.t, len(w.digests))
-    return b"".join([head, node, tail, *body])
+    head = _HEAD.pack(MAGIC, len(tail), len(node), w.seq, w.t, len(w.digests), w.flows.n_rows)
+    return b"".join([head, node, tail, w.flows.rows, *body])
 
 
 #: What reading a damaged blob can raise (JSON's errors are ValueErrors).
@@ -578,6 +586,7 @@ def decode(data: bytes) -> Window:
     Its digests' columns are views of ``data`` (no value copied)."""
     try:
         w, found = _head_and_parts(data)
+        flow_table([w.flows])  # its rows checked
         return w._replace(digests=tuple(_digest(step, part) for step, part in found))
     except _NOT_A_WINDOW as e:
         raise ValueError(f"not a cluster window: {e}") from e
@@ -604,12 +613,14 @@ class Round(NamedTuple):
     ``windows``: each node's window without its digests; ``steps``: per step,
     every node's digest of it joined (:func:`join_digests`: node order, a
     rank's group index past the nodes' before); ``bad``: blobs that were not
-    windows, each left out alone.
+    windows, each left out alone; ``flows``: the windows' flow rows joined
+    (:func:`~fsdp_sentinel.cluster.flowrows.flow_table`).
     """
 
     windows: list[Window]
     steps: dict[int, StepDigest]
     bad: int
+    flows: FlowTable = NO_TABLE
 
 
 class _Part(NamedTuple):
@@ -661,7 +672,11 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
         if joined is None:  # a column check failed: find the blob at fault
             return _round_of_windows(blobs)
         steps[step] = joined
-    return Round(windows, steps, bad)
+    try:
+        flows = flow_table([w.flows for w in windows])
+    except ValueError:  # as a column check: find the blob at fault
+        return _round_of_windows(blobs)
+    return Round(windows, steps, bad, flows)
 
 
 #: The packed head, a digest's and a key group's fixed fields as numpy reads
@@ -669,7 +684,7 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
 #: _DIGEST and _GROUP).
 _HEAD_DT = np.dtype(
     [("magic", "S4"), ("n_json", "<u4"), ("n_node", "<u2"), ("seq", "<i8"), ("t", "<f8"),
-     ("n_digests", "<u4")]
+     ("n_digests", "<u4"), ("n_flows", "<u4")]
 )  # fmt: skip
 _DIGEST_DT = np.dtype(
     [("step", "<i8"), ("bad", "<u4"), ("n", "<u4"), ("n_ix", "<u4"), ("n_groups", "<u4")]
@@ -682,13 +697,14 @@ assert (_HEAD_DT.itemsize, _DIGEST_DT.itemsize, _GROUP_DT.itemsize) == (
 
 
 def _uniform_round(blobs: list[bytes]) -> Round | None:
-    """:func:`decode_round` of a round whose every window is one digest of the
-    same step alone, its one key group a run of the same keys (a steady job's
+    """:func:`decode_round` of a round whose every window holds one digest of the
+    same step, its one key group a run of the same keys (a steady job's
     round: most), read for every node at once: each fixed field one numpy
     read for the round, each column cut from each blob and joined, and a
-    node costs only the objects it keeps (its window, its key group). None
-    when the round is not such, or not whole (it is then read window by
-    window, which finds what is wrong with which blob).
+    node costs only the objects it keeps (its window, its key group, and
+    what its JSON and flow rows hold, if any). None when the round is not
+    such, or not whole (it is then read window by window, which finds what
+    is wrong with which blob).
 
     Node by node, reading 2,048 heads cost ~5 us each: a fifth of a 16k-rank
     leader's window. Each blob must be exactly as long as its fields say.
@@ -696,20 +712,22 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
     if not blobs:
         return None
     try:
-        _, n_json, _, _, _, n_digests = _HEAD.unpack_from(blobs[0])
+        n_digests = _HEAD.unpack_from(blobs[0])[5]
     except struct.error:
         return None
-    if n_json or n_digests != 1:  # the first window says enough, most often
+    if n_digests != 1:  # the first window says enough, most often
         return None
     count = len(blobs)
     lens = np.fromiter(map(len, blobs), np.int64, count)
     if lens.min() < _HEAD.size:
         return None
     head = _fields(blobs, repeat(0), _HEAD_DT)
-    if not ((head["magic"] == MAGIC).all() and (head["n_json"] == 0).all()
-            and (head["n_digests"] == 1).all()):  # fmt: skip
+    if not ((head["magic"] == MAGIC).all() and (head["n_digests"] == 1).all()):
         return None
-    d_at = _HEAD.size + head["n_node"].astype(np.int64)  # in each blob: its digest
+    n_node, n_json = head["n_node"].astype(np.int64), head["n_json"].astype(np.int64)
+    n_flows = head["n_flows"].astype(np.int64)
+    # in each blob: its digest, after its name, JSON and flow rows
+    d_at = _HEAD.size + n_node + n_json + ROW.itemsize * n_flows
     x_at = d_at + _DIGEST.size + _GROUP.size  # its group's extremes, then its columns
     if (x_at > lens).any():
         return None
@@ -727,7 +745,10 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
     if not np.array_equal(i_at + 16 * n + 4 * n_ix, lens):
         return None
     try:
-        nodes = [str(b[_HEAD.size : k], "utf-8") for b, k in zip(blobs, at_digest, strict=True)]
+        nodes = [
+            str(b[_HEAD.size : k], "utf-8")
+            for b, k in zip(blobs, (_HEAD.size + n_node).tolist(), strict=True)
+        ]
     except UnicodeDecodeError:
         return None
     keys = _run(first, nk)  # once a round
@@ -756,10 +777,23 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
         return None
     empty = ()
     windows = [
-        new_tuple(Window, (node, seq, t, empty, empty, empty, empty))
+        new_tuple(Window, (node, seq, t, empty, empty, empty, empty, NO_FLOWS))
         for node, seq, t in zip(nodes, head["seq"].tolist(), head["t"].tolist(), strict=True)
     ]
-    return Round(windows, {step: joined}, 0)
+    flows = NO_TABLE
+    more = np.flatnonzero(n_json + n_flows).tolist()  # windows with JSON or flow rows
+    if more:
+        try:
+            at = (_HEAD.size + n_node).tolist()
+            for i in more:
+                w = windows[i]
+                windows[i] = _window_of(
+                    blobs[i], at[i], int(n_json[i]), int(n_flows[i]), w.node, w.seq, w.t
+                )[0]
+            flows = flow_table([w.flows for w in windows])
+        except _NOT_A_WINDOW:
+            return None
+    return Round(windows, {step: joined}, 0, flows)
 
 
 def _fields(blobs: list[bytes], at: Iterable[int], dtype: np.dtype) -> np.ndarray:
@@ -785,26 +819,23 @@ def _round_of_windows(blobs: list[bytes]) -> Round:
         windows.append(w._replace(digests=()))
         for d in w.digests:
             by_step.setdefault(d.step, []).append(d)
-    return Round(windows, {s: join_digests(ds) for s, ds in by_step.items()}, bad)
+    steps = {s: join_digests(ds) for s, ds in by_step.items()}
+    return Round(windows, steps, bad, flow_table([w.flows for w in windows]))
 
 
 def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
     """A blob's window (without digests) and where each digest's columns lie;
     what :func:`decode` raises for a blob cut short, too long, or whose head
     does not describe its body."""
-    magic, n_json, n_node, seq, clock, n_digests = _HEAD.unpack_from(data)
+    magic, n_json, n_node, seq, clock, n_digests, n_flows = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise ValueError(f"not a packed window (starts {bytes(data[:4])!r})")
     at = _HEAD.size + n_node
     node = str(data[_HEAD.size : at], "utf-8")
-    records: Any = ()
-    progress: Any = ()
-    heard: Any = ()
-    listed: Any = ()
-    if n_json:
-        o = orjson.loads(data[at : at + n_json])
-        at += n_json
-        records, progress, heard, listed = o["records"], o["progress"], o["heard"], o["keys"]
+    if n_json or n_flows:
+        w, listed, at = _window_of(data, at, n_json, n_flows, node, seq, clock)
+    else:  # a window of digests alone (most)
+        w, listed = new_tuple(Window, (node, seq, clock, (), (), (), (), NO_FLOWS)), ()
     view = memoryview(data)
     found: list[tuple[int, _Part]] = []
     n_listed = 0
@@ -841,8 +872,31 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
         at = i_end
     if at != len(data):
         raise ValueError(f"{len(data) - at} bytes past the last column")
-    if not (records or progress or heard):  # a window of digests alone (most)
-        return new_tuple(Window, (node, seq, clock, (), (), (), ())), found
+    return w, found
+
+
+def _window_of(
+    data: bytes, at: int, n_json: int, n_flows: int, node: str, seq: int, clock: float
+) -> tuple[Window, Any, int]:
+    """A window's JSON (from ``at``) and flow rows read: the window without its
+    digests, the JSON's listed keys, and where its digests begin."""
+    records: Any = ()
+    progress: Any = ()
+    heard: Any = ()
+    listed: Any = ()
+    strings: Any = ()
+    if n_json:
+        o = orjson.loads(data[at : at + n_json])
+        at += n_json
+        records, progress, heard, listed = o["records"], o["progress"], o["heard"], o["keys"]
+        strings = o["strings"]
+    flows = NO_FLOWS
+    if n_flows:
+        end = at + n_flows * ROW.itemsize
+        if end > len(data) or not isinstance(strings, list):
+            raise ValueError("flow rows run past the end")
+        flows = FlowRows(tuple(strings), bytes(data[at:end]))
+        at = end
     w = Window(
         node,
         seq,
@@ -851,8 +905,9 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
         (),
         tuple((int(r), float(t), int(s), int(q)) for r, t, s, q in progress) if progress else (),
         tuple((str(h), float(t), float(dt)) for h, t, dt in heard) if heard else (),
+        flows,
     )
-    return w, found
+    return w, listed, at
 
 
 def _joined_parts(step: int, parts: list[_Part]) -> StepDigest | None:

@@ -1,0 +1,330 @@
+"""Flow records as rows: packed by a node, read back, filed by the leader as records are.
+
+A node packs the probes' flow records as fixed-width rows (``cluster.flowrows``)
+and the leader files a round's rows without a dict (``FlowLine``,
+``LeaderPipeline.file_flow_rows``, ``Correlator.add_flow_rows``). These tests
+hold it to the records: a row reads back as its record, a damaged row costs
+its window alone, and a leader fed rows says and keeps exactly what a leader
+fed the same flows as records (after each window's other records) does, on
+every golden capture and on streams built to leave the fast path (ticks
+inside a round, the stream guard, unattributed flows, a full host table).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_sentinel import trace
+from fsdp_sentinel.cluster import summary as CS
+from fsdp_sentinel.cluster.flowrows import (
+    NO_FLOWS,
+    ROW,
+    FlowRows,
+    FlowRowsBuilder,
+    cwnd_values,
+    flow_table,
+    plain,
+    srtt_values,
+)
+from fsdp_sentinel.cluster.leader import FlowLine, LeaderDetector, LeaderPipeline
+from fsdp_sentinel.cluster.split import run_split
+from fsdp_sentinel.correlate import StateLimits
+from fsdp_sentinel.synth import Scenario, SlowLink, generate
+
+Record = dict[str, Any]
+TRACES = Path(__file__).parent / "traces"
+GOLDEN = sorted(TRACES.glob("*.jsonl*"))
+
+
+def _probe_flow(i: int, t: float = 10.0) -> Record:
+    """A flow record as probes/records.py writes it (int srtt, snd_wnd)."""
+    rec: Record = {
+        "kind": "flow", "t": t, "dt": 1.0, "host": "h0", "pid": 4000 + i,
+        "src": f"198.18.0.1:{40000 + i}", "dst": "198.18.0.2:29500",
+        "tx_bytes": 1 << 20, "rx_bytes": 512, "retrans": i % 3,
+    }  # fmt: skip
+    if i % 2:
+        rec["dsack_dups"] = 1
+    rec["srtt_us"] = 180 + i
+    rec["cwnd"] = 10
+    rec["snd_wnd"] = 65535
+    return rec
+
+
+def _without_snd_wnd(rec: Record) -> Record:
+    return {k: v for k, v in rec.items() if k != "snd_wnd"}
+
+
+def test_the_probes_flow_records_are_plain_and_read_back_as_filed() -> None:
+    recs = [_probe_flow(i) for i in range(5)]
+    assert all(map(plain, recs))
+    b = FlowRowsBuilder()
+    for r in recs:
+        b.add(r)
+    rows = b.take()
+    assert rows.n_rows == 5 and len(rows.rows) == 5 * ROW.itemsize
+    # each string listed once
+    assert sorted(rows.strings) == sorted({"h0", "198.18.0.2:29500", *(r["src"] for r in recs)})
+    table = flow_table([rows])
+    back = [table.record(i) for i in range(len(table))]
+    assert back == [_without_snd_wnd(r) for r in recs]
+    assert type(back[0]["srtt_us"]) is int
+    assert b.take() == NO_FLOWS  # taken: the next window starts empty
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"t": 10},  # an int time: comes back a float, so it travels as JSON
+        {"t": math.nan},
+        {"dt": math.inf},
+        {"pid": True},
+        {"tx_bytes": 1 << 63},
+        {"rx_bytes": "7"},
+        {"host": None},
+        {"srtt_us": None},
+        {"srtt_us": math.inf},
+        {"srtt_us": (1 << 53) + 1},
+        {"cwnd": 1.5},
+        {"rank": 3},  # a correlated record names its ranks: JSON
+        {"peer_rank": 4},
+        {"extra": 1},
+    ],
+)
+def test_what_a_row_cannot_carry_travels_as_a_record(change: Record) -> None:
+    assert plain(_probe_flow(1))
+    assert not plain({**_probe_flow(1), **change})
+    missing = _probe_flow(1)
+    del missing["tx_bytes"]
+    assert not plain(missing)
+
+
+_text = st.text(min_size=0, max_size=12)
+_i64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
+_finite = st.floats(allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def _plain_flows(draw: Any) -> Record:
+    rec: Record = {
+        "kind": "flow", "t": draw(_finite), "dt": draw(_finite), "host": draw(_text),
+        "pid": draw(_i64), "src": draw(_text), "dst": draw(_text), "tx_bytes": draw(_i64),
+        "rx_bytes": draw(_i64),
+    }  # fmt: skip
+    for key in ("retrans", "cwnd", "dsack_dups"):
+        if draw(st.booleans()):
+            rec[key] = draw(_i64)
+    srtt = draw(st.none() | _finite | st.integers(min_value=-(1 << 53), max_value=1 << 53))
+    if srtt is not None:
+        rec["srtt_us"] = srtt
+    return rec
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_plain_flows(), max_size=6), min_size=1, max_size=4))
+def test_rows_read_back_as_their_records_through_the_wire(windows: list[list[Record]]) -> None:
+    blobs = []
+    for i, recs in enumerate(windows):
+        assert all(map(plain, recs))
+        b = FlowRowsBuilder()
+        for r in recs:
+            b.add(r)
+        blobs.append(CS.encode(CS.Window(f"n{i}", 0, 1.0, (), (), (), (), b.take())))
+    rnd = CS.decode_round(blobs)
+    assert rnd.bad == 0
+    got = [rnd.flows.record(i) for i in range(len(rnd.flows))]
+    want = [r for recs in windows for r in recs]
+    assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+    # the figures the leader files, for every row at once: the same values, types too
+    srtt = [r.get("srtt_us") for r in want]
+    assert json.dumps(srtt_values(rnd.flows.rows)) == json.dumps(srtt)
+    assert json.dumps(cwnd_values(rnd.flows.rows)) == json.dumps([r.get("cwnd") for r in want])
+    # which window each row came from
+    assert rnd.flows.window.tolist() == [i for i, recs in enumerate(windows) for _ in recs]
+
+
+def _blob_with_rows(node: str, recs: list[Record]) -> bytes:
+    b = FlowRowsBuilder()
+    for r in recs:
+        b.add(r)
+    return CS.encode(CS.Window(node, 0, 1.0, (), (), (), (("h0", 10.0, 1.0),), b.take()))
+
+
+def _row_at(blob: bytes, i: int) -> int:
+    _, n_json, n_node, *_ = CS._HEAD.unpack_from(blob)
+    return CS._HEAD.size + n_node + n_json + i * ROW.itemsize
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("t", struct.pack("<d", math.nan)),
+        ("dt", struct.pack("<d", math.inf)),
+        ("srtt", struct.pack("<d", math.nan)),  # the row has an srtt
+        ("srtt", struct.pack("<d", 2.0**60)),  # an int srtt past 2**53
+        ("host", struct.pack("<I", 99)),  # not among its window's strings
+        ("src", struct.pack("<I", 1 << 31)),
+        ("form", bytes([64])),
+    ],
+)
+def test_a_damaged_row_costs_its_window_alone(field: str, value: bytes) -> None:
+    good = [_blob_with_rows(f"n{i}", [_probe_flow(i), _probe_flow(i + 10)]) for i in range(3)]
+    bad = bytearray(good[1])
+    assert ROW.fields is not None
+    at = _row_at(good[1], 1) + ROW.fields[field][1]
+    bad[at : at + len(value)] = value
+    rnd = CS.decode_round([good[0], bytes(bad), good[2]])
+    assert rnd.bad == 1 and [w.node for w in rnd.windows] == ["n0", "n2"]
+    assert len(rnd.flows) == 4
+    with pytest.raises(ValueError):
+        CS.decode(bytes(bad))
+
+
+def test_rows_cut_short_or_strings_of_another_type_are_not_a_window() -> None:
+    blob = _blob_with_rows("n0", [_probe_flow(1)])
+    with pytest.raises(ValueError):
+        CS.decode(blob[:-3])  # the head counts a row the blob has not
+    with pytest.raises(ValueError):
+        flow_table([FlowRows(("h0", 5), b"\0" * ROW.itemsize)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        flow_table([FlowRows(("h0",), b"\0" * (ROW.itemsize - 1))])
+
+
+# ------------------------------------------------ the leader: rows as records
+
+
+class RecordsLeader(LeaderDetector):
+    """A leader handed each window's flow rows as records, after its others."""
+
+    def ingest(self, windows: Any) -> list[Record]:
+        out = []
+        for w in windows:
+            table = flow_table([w.flows])
+            more = tuple(table.record(i) for i in range(len(table)))
+            out.append(w._replace(records=w.records + more, flows=NO_FLOWS))
+        return super().ingest(out)
+
+
+def _state(det: LeaderDetector) -> str:
+    p = det.pipeline
+    c = p.corr
+    pairs = [
+        (k, pf.tx_total, pf.rx_total, pf.retrans_total, pf.dsack_total, list(pf.samples),
+         pf.last_t, pf.srtt_us, pf.tx_rate, pf.loopback)
+        for k, pf in sorted(c.pairs.items())
+    ]  # fmt: skip
+    return json.dumps(
+        [p.stats, p.records_total, p.now, pairs, sorted(c.hosts_heard.items()),
+         c.unattributed_flows, c.evicted, c.flow_dt, [list(f) for f in c.flow_matrix(p.now)]],
+        sort_keys=True, default=str,
+    )  # fmt: skip
+
+
+def _same_as_records(recs: list[Record], interval_s: float = 0.5, **kw: Any) -> list[Record]:
+    rows = LeaderDetector(**kw)
+    said = run_split(recs, interval_s, leader=rows)
+    records = RecordsLeader(**kw)
+    assert run_split(recs, interval_s, leader=records, wire=False) == said
+    assert _state(rows) == _state(records)
+    assert rows.pipeline.records_total.get("flow", 0) > 0
+    return said
+
+
+#: The captures with flow records (a few hook-only ones have none).
+WITH_FLOWS = [p for p in GOLDEN if any(r.get("kind") == "flow" for r in trace.read_trace(p))]
+
+
+@pytest.mark.parametrize("path", WITH_FLOWS, ids=lambda p: p.name.split(".")[0])
+def test_a_leader_fed_rows_does_what_one_fed_records_does(path: Path) -> None:
+    _same_as_records([r for r in trace.read_trace(path) if r.get("kind") != "header"])
+
+
+def _slow_link_job(seed: int) -> list[Record]:
+    scn = Scenario(
+        ranks=8, steps=30, seed=seed, ranks_per_host=2, faults=(SlowLink(2, 3, 3.0, 5, 15),)
+    )
+    recs, _truth = generate(scn)
+    return [r for r in recs if r.get("kind") != "header"]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_rows_through_ticks_the_guard_and_strangers(seed: int) -> None:
+    rng = random.Random(seed)
+    recs = _slow_link_job(seed)
+    flows = [r for r in recs if r.get("kind") == "flow"]
+    assert flows
+    more = []
+    for r in rng.sample(flows, k=min(40, len(flows))):
+        kind = rng.randrange(4)
+        if kind == 0:  # far ahead of the stream: the guard holds it
+            more.append({**r, "t": r["t"] + 500.0})
+        elif kind == 1:  # a process no rank announced: not attributed
+            more.append({**r, "pid": 999_999, "src": "198.19.9.9:1", "dst": "198.19.9.8:2"})
+        elif kind == 2:  # at the very time of another record (a tie on the time line)
+            other = rng.choice(recs).get("t")
+            more.append({**r, "t": float(other) if isinstance(other, float) else r["t"]})
+        else:  # on a whole second
+            more.append({**r, "t": math.floor(r["t"]) + 0.0})
+    mixed = sorted(recs + more, key=trace.record_time)
+    _same_as_records(mixed, interval_s=rng.choice([0.25, 1.0, 3.0]))
+    # a host table too small for the job's hosts: each sample of a new one counted
+    _same_as_records(mixed, limits=StateLimits(max_hosts=1))
+
+
+def _primed() -> LeaderPipeline:
+    """A leader's pipeline that knows ranks 0-3 (pid 4000 + r, 198.18.0.r) and
+    whose clock stands at 100 s, its first tick set."""
+    p = LeaderPipeline()
+    for r in range(4):
+        p.feed({"kind": "rank", "t": 99.0, "rank": r, "world_size": 4, "host": f"h{r}",
+                "pid": 4000 + r, "addrs": [f"198.18.0.{r}"]})  # fmt: skip
+    p.feed({"kind": "clock", "t": 100.0})
+    return p
+
+
+def test_rows_stop_at_the_tick_and_the_guards_horizon_as_records_do() -> None:
+    # A row at the very time of the next tick, and rows past the guard's
+    # horizon: fed as their records, in turn (a tick runs after the flow
+    # that reaches it is filed; what runs ahead is held aside).
+    rows, records = _primed(), _primed()
+    tick, horizon = rows._next_tick, rows._horizon
+    assert 100.0 < tick < horizon < math.inf
+    # the last: host h3 in step again, while its row ahead is held (the guard
+    # is active: every row goes through it, which refuses the one held)
+    times = [100.2, tick - 1e-9, tick, tick, tick + 0.1, horizon, horizon + 1e-6, horizon + 9.0,
+             horizon + 0.1]  # fmt: skip
+    recs = []
+    for i, t in enumerate(times):
+        r, peer = (i % 4, (i + 1) % 4) if i < 8 else (3, 0)
+        rec = {"kind": "flow", "t": t, "dt": 1.0, "host": f"h{r}", "pid": 4000 + r,
+               "src": f"198.18.0.{r}:4000{r}", "dst": f"198.18.0.{peer}:29500",
+               "tx_bytes": 1000 + i, "rx_bytes": 10, "srtt_us": 100 + i}  # fmt: skip
+        recs.append(rec)
+    assert rows.stats["malformed"] == 0
+    # up to the tick and just past; on to the guard; h3 (the next round)
+    for lo, hi in ((0, 5), (5, 8), (8, 9)):
+        b = FlowRowsBuilder()
+        for rec in recs[lo:hi]:
+            b.add(rec)
+        said = rows.file_flow_rows(FlowLine(flow_table([b.take()])), 0, hi - lo)
+        assert said == [v for rec in recs[lo:hi] for v in records.feed(rec)]
+        # the tick ran when the records ran it: at the row at its time
+        assert rows._next_tick == records._next_tick
+        assert rows.stats == records.stats
+    assert rows.stats["ticks"] == 3 and rows.stats["refused_clock_ahead"] == 1
+    assert len(rows.lcorr.pairs) == 4
+    for p in (rows, records):
+        p.end()
+    det = [LeaderDetector(), LeaderDetector()]
+    for d, p in zip(det, (rows, records), strict=True):
+        d.pipeline, d.corr = p, p.lcorr
+    assert _state(det[0]) == _state(det[1])
