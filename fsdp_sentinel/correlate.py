@@ -929,7 +929,7 @@ class Correlator:
         self._self_closed: dict[int, float] = {}
         self._reset_by: dict[int, set[int]] = {}  # rank -> peers whose connection it reset
         self._peers: dict[int, set[int]] = {}
-        self._pair_keys: list[tuple[int, int]] | None = None  # sorted(self.pairs), cached
+        self._pair_list: list[_Pair] | None = None  # self.pairs' values by key, cached
         self._matrix: tuple[PairFlow, ...] | None = None  # flow_matrix's last answer
         self._matrix_oldest = math.inf  # its oldest sample's time
         # Flow samples whose interval began before this are no evidence (a new
@@ -1497,7 +1497,7 @@ class Correlator:
                 self.evicted["pair"] += 1
                 return None
             pair = self.pairs[hit] = _Pair(hit)
-            self._pair_keys = None
+            self._pair_list = None
         self._flow_cache[key] = pair
         return pair
 
@@ -1557,7 +1557,7 @@ class Correlator:
             for flow in [f for f, p in cache.items() if type(p) is _Pair and p.key in gone]:
                 cache[flow] = cache[flow].key  # type: ignore[union-attr]
             self.evicted["pair"] += len(stale)
-            self._pair_keys = None
+            self._pair_list = None
             self._matrix = None
         for host in [h for h, v in self.hosts_heard.items() if v[0] < horizon]:
             del self.hosts_heard[host]
@@ -2061,31 +2061,37 @@ class Correlator:
         if self._matrix is not None and horizon <= self._matrix_oldest:
             return self._matrix
         out: list[PairFlow] = []
+        append = out.append
         oldest = math.inf
-        keys = self._pair_keys
-        if keys is None:  # reset by add_flow when a pair appears
-            keys = self._pair_keys = sorted(self.pairs)
-        pairs = self.pairs
-        for key in keys:
-            pair = pairs[key]
+        plist = self._pair_list
+        if plist is None:  # reset when a pair comes or goes
+            pairs = self.pairs
+            plist = self._pair_list = [pairs[k] for k in sorted(pairs)]
+        for pair in plist:
             samples = pair.samples
-            while samples and (samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor):
-                samples.popleft()
-                pair.view = None
             if not samples:
                 continue
-            if samples[0][0] < oldest:
-                oldest = samples[0][0]
+            first = samples[0]
+            if first[0] < horizon or first[0] - first[1] < floor:
+                pair.view = None
+                samples.popleft()
+                while samples and (
+                    samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor
+                ):
+                    samples.popleft()
+                if not samples:
+                    continue
+                first = samples[0]
+            if first[0] < oldest:
+                oldest = first[0]
             # Pairs report about once a second, steps come faster: the same
             # samples give the same figures, so reuse them until they change.
             view = pair.view
             if view is not None:
-                out.append(view)
+                append(view)
                 continue
-            tx = rx = retrans = dsack = 0
-            dt = 0.0
-            wsum = 0.0
-            wbytes = 0
+            tx = rx = retrans = dsack = wbytes = 0
+            dt = wsum = 0.0
             for _t, sdt, stx, srx, srtt, sre, _cwnd, sdup in samples:
                 tx += stx
                 rx += srx
@@ -2098,12 +2104,13 @@ class Correlator:
                     wbytes += w
             # Made from its fields' tuple in C (every pair, every new sample:
             # 16k pairs a second at 16k ranks), in PairFlow's field order.
+            key = pair.key
             view = pair.view = new_tuple(
                 PairFlow,
                 (key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans,
                  tuple(samples), pair.loopback, dsack),
             )  # fmt: skip
-            out.append(view)
+            append(view)
         self._matrix = matrix = tuple(out)
         self._matrix_oldest = oldest
         return matrix

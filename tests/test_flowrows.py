@@ -328,3 +328,24 @@ def test_rows_stop_at_the_tick_and_the_guards_horizon_as_records_do() -> None:
     for d, p in zip(det, (rows, records), strict=True):
         d.pipeline, d.corr = p, p.lcorr
     assert _state(det[0]) == _state(det[1])
+
+
+def test_a_window_kept_back_for_the_store_keeps_its_flows() -> None:
+    # A window the store refused goes with the next (agent._joined): both
+    # windows' rows, in order, each naming its own strings.
+    from fsdp_sentinel.cluster.agent import _joined
+
+    def window(seq: int, recs: list[Record]) -> CS.Window:
+        b = FlowRowsBuilder()
+        for r in recs:
+            b.add(r)
+        return CS.Window("n0", seq, float(seq), (), (), (), (), b.take())
+
+    first = [_probe_flow(i, 10.0) for i in range(3)]
+    second = [{**_probe_flow(i + 7, 11.0), "host": "h9"} for i in range(2)]
+    both = _joined(window(0, first), window(1, second))
+    rnd = CS.decode_round([CS.encode(both)])
+    got = [rnd.flows.record(i) for i in range(len(rnd.flows))]
+    assert got == [_without_snd_wnd(r) for r in first + second]
+    assert _joined(window(0, first), window(1, [])).flows == window(0, first).flows
+    assert _joined(window(0, []), window(1, second)).flows == window(1, second).flows

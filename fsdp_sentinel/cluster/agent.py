@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fsdp_sentinel.cluster.flowrows import joined_rows
 from fsdp_sentinel.cluster.leader import (
     LeaderDetector,
     Liveness,
@@ -293,6 +294,7 @@ def _joined(a: Window, b: Window) -> Window:
         digests=a.digests + b.digests,
         progress=a.progress + b.progress,
         heard=a.heard + b.heard,
+        flows=joined_rows(a.flows, b.flows),
     )
 
 

@@ -103,6 +103,19 @@ class FlowRows(NamedTuple):
 NO_FLOWS = FlowRows((), b"")
 
 
+def joined_rows(a: FlowRows, b: FlowRows) -> FlowRows:
+    """Two windows' rows as one window's (``a``'s first): ``b``'s string indices
+    moved past ``a``'s strings."""
+    if not b.rows:
+        return a
+    if not a.rows:
+        return b
+    moved = np.frombuffer(b.rows, ROW).copy()
+    for name in ("host", "src", "dst"):
+        moved[name] += len(a.strings)
+    return FlowRows(a.strings + b.strings, a.rows + moved.tobytes())
+
+
 class FlowRowsBuilder:
     """A node's plain flow records of the window being filled, packed as they come."""
 
