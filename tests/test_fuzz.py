@@ -112,10 +112,20 @@ def test_a_damaged_trace_is_a_trace_error_or_reads(suffix: str, flips, cut: int)
 
 
 def _cluster_blobs() -> list[bytes]:
-    """Packed node windows of two shapes: steady ones (digests alone, the same
-    run of keys: the first and the last), and one with records, progress
-    points, probe times and keys that are not a run."""
+    """Packed node windows of two shapes: steady ones (one digest of the same
+    run of keys: the first, the third, and the last with flow rows and a
+    probe time), and one with records, progress points, probe times, flow
+    rows and keys that are not a run."""
+    from fsdp_sentinel.cluster.flowrows import FlowRowsBuilder
     from fsdp_sentinel.cluster.summary import Window, digest_step, encode
+
+    def rows(host: str, n: int) -> Any:
+        b = FlowRowsBuilder()
+        for i in range(n):
+            b.add({"kind": "flow", "t": 12.0, "dt": 1.0, "host": host, "pid": 40 + i,
+                   "src": f"198.18.0.{i}:1", "dst": "198.18.1.1:2", "tx_bytes": 1 << i,
+                   "rx_bytes": 3, "srtt_us": 90 + i, "cwnd": 10})  # fmt: skip
+        return b.take()
 
     def colls(rank: int, keys: list) -> list[dict]:
         out = []
@@ -134,15 +144,28 @@ def _cluster_blobs() -> list[bytes]:
     odd = digest_step(2, {r: colls(r, [("dp", 1), ("tp", 4)]) for r in range(3, 5)})
     flow = {"kind": "flow", "t": 12.0, "dt": 1.0, "src": "198.18.0.1:1", "dst": "198.18.0.2:2"}
     again = digest_step(2, {r: colls(r, [5, 6, 7]) for r in range(5, 7)}, {5: steps[0]})
+    more = digest_step(2, {r: colls(r, [5, 6, 7]) for r in range(7, 9)})
     return [
         encode(Window("n0", 3, 12.5, (), (run,), (), ())),
-        encode(Window("n1", 3, 12.5, (flow,), (odd,), ((3, 12.0, 2, 4),), (("h1", 12.0, 1.0),))),
+        encode(
+            Window(
+                "n1",
+                3,
+                12.5,
+                (flow,),
+                (odd,),
+                ((3, 12.0, 2, 4),),
+                (("h1", 12.0, 1.0),),
+                rows("h1", 2),
+            )
+        ),  # fmt: skip
         encode(Window("node2", 4, 12.75, (), (again,), (), ())),
+        encode(Window("n3", 4, 12.75, (), (more,), (), (("h3", 12.0, 1.0),), rows("h3", 3))),
     ]
 
 
 CLUSTER_BLOBS = _cluster_blobs()
-STEADY_BLOBS = [CLUSTER_BLOBS[0], CLUSTER_BLOBS[2]]
+STEADY_BLOBS = [CLUSTER_BLOBS[0], CLUSTER_BLOBS[2], CLUSTER_BLOBS[3]]
 
 
 @st.composite
@@ -191,16 +214,21 @@ def _round_text(rnd: Any) -> str:
             own = [[list(g.longest), list(g.shortest)] for g in d.groups]
             assert repr(d.extremes.tolist()) == repr(own)
         cols[s] = tuple(f if isinstance(f, (int, tuple)) else list(f) for f in d[:-1])
-    return repr((rnd.windows, cols, rnd.bad))
+    f = rnd.flows
+    flows = (f.rows.tobytes(), f.strings.tolist(), f.window.tolist())
+    return repr((rnd.windows, cols, rnd.bad, flows))
 
 
 @FAST
 @given(damaged_blobs(STEADY_BLOBS))
 def test_a_steady_round_read_at_once_is_every_window_read_alone(blob: bytes) -> None:
-    """A steady round (every window one digest of the same run of keys, alone)
-    is read for every node at once (``summary._uniform_round``); with any one
-    of its blobs damaged or not, it reads as window by window."""
+    """A steady round (every window one digest of the same run of keys, beside
+    JSON and flow rows or not) is read for every node at once
+    (``summary._uniform_round``); with any one of its blobs damaged or not,
+    it reads as window by window."""
     from fsdp_sentinel.cluster import summary
 
-    blobs = [STEADY_BLOBS[0], blob, STEADY_BLOBS[1]]
+    blobs = [STEADY_BLOBS[0], blob, STEADY_BLOBS[1], STEADY_BLOBS[2]]
+    if blob in STEADY_BLOBS:
+        assert summary._uniform_round(blobs) is not None  # read at once
     assert _round_text(summary.decode_round(blobs)) == _round_text(summary._round_of_windows(blobs))

@@ -21,14 +21,16 @@ or dict for it (``bench/leader_scale``: the leader's cost per window is
 linear in ranks).
 
 A :class:`Window` is what one node publishes at one interval: the digests of
-the steps it completed, its ranks' few other records (``rank``, ``flow``,
-``conn``, ``pending``; the leader resolves flows to peers by their
-endpoints, across nodes, with the ranks' own ``addrs`` and local endpoints),
-each host's newest probe time, and each rank's progress (last heard, newest
-step and seq with collectives), for liveness. :func:`encode` packs it: a
-small JSON head for those records, then every digest's columns as raw
-little-endian 64-bit floats and 32-bit integers; its length is the store
-traffic (``bench/leader_scale`` prints it).
+the steps it completed, its ranks' few other records (``rank``, ``conn``,
+``pending``), its probes' ``flow`` records as fixed-width rows
+(:mod:`~fsdp_sentinel.cluster.flowrows`; the leader resolves flows to
+peers by their endpoints, across nodes, with the ranks' own ``addrs`` and
+local endpoints), each host's newest probe time, and each rank's progress
+(last heard, newest step and seq with collectives), for liveness.
+:func:`encode` packs it: a binary head, JSON for what has no fixed form,
+the flow rows, then every digest's columns as raw little-endian 64-bit
+floats and 32-bit integers; its length is the store traffic
+(``bench/leader_scale`` prints it).
 """
 
 from __future__ import annotations
