@@ -2069,21 +2069,13 @@ class Correlator:
             plist = self._pair_list = [pairs[k] for k in sorted(pairs)]
         for pair in plist:
             samples = pair.samples
+            while samples and (samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor):
+                samples.popleft()
+                pair.view = None
             if not samples:
                 continue
-            first = samples[0]
-            if first[0] < horizon or first[0] - first[1] < floor:
-                pair.view = None
-                samples.popleft()
-                while samples and (
-                    samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor
-                ):
-                    samples.popleft()
-                if not samples:
-                    continue
-                first = samples[0]
-            if first[0] < oldest:
-                oldest = first[0]
+            if samples[0][0] < oldest:
+                oldest = samples[0][0]
             # Pairs report about once a second, steps come faster: the same
             # samples give the same figures, so reuse them until they change.
             view = pair.view

@@ -181,11 +181,11 @@ class FlowTable(NamedTuple):
             rec["retrans"] = int(r["retrans"])
         if form & HAS_DSACK:
             rec["dsack_dups"] = int(r["dsack"])
+        one = self.rows[i : i + 1]  # srtt and cwnd read as the leader files them
         if form & HAS_SRTT:
-            srtt = float(r["srtt"])
-            rec["srtt_us"] = int(srtt) if form & SRTT_INT else srtt
+            rec["srtt_us"] = srtt_values(one)[0]
         if form & HAS_CWND:
-            rec["cwnd"] = int(r["cwnd"])
+            rec["cwnd"] = cwnd_values(one)[0]
         return rec
 
 

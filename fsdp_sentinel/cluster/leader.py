@@ -515,7 +515,8 @@ class FlowLine:
         else:
             self.order = np.argsort(t, kind="stable")
             got = rows[self.order]
-        self.t: list[float] = got["t"].tolist()
+        self._t = got["t"]  # in time order, as an array (due) and as floats
+        self.t: list[float] = self._t.tolist()
         s = table.strings
         self.keys: list[FlowKey] = list(
             zip(s[got["host"]].tolist(), got["pid"].tolist(), s[got["src"]].tolist(),
@@ -544,7 +545,7 @@ class FlowLine:
         time, then by place, its window's ``flows_at`` (a row goes before the
         item it shares its place with: its window's clock).
         """
-        t = self.table.rows["t"][self.order]
+        t = self._t
         at = flows_at[self.table.window[self.order]]
         # (time, place) pairs as one integer each, to compare both at once.
         codes = np.unique(np.concatenate([times, t]))

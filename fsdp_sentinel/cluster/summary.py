@@ -746,11 +746,9 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
     i_at = f_at + 32 * n
     if not np.array_equal(i_at + 16 * n + 4 * n_ix, lens):
         return None
+    name_end = (_HEAD.size + n_node).tolist()  # then the JSON, if any
     try:
-        nodes = [
-            str(b[_HEAD.size : k], "utf-8")
-            for b, k in zip(blobs, (_HEAD.size + n_node).tolist(), strict=True)
-        ]
+        nodes = [str(b[_HEAD.size : k], "utf-8") for b, k in zip(blobs, name_end, strict=True)]
     except UnicodeDecodeError:
         return None
     keys = _run(first, nk)  # once a round
@@ -786,11 +784,10 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
     more = np.flatnonzero(n_json + n_flows).tolist()  # windows with JSON or flow rows
     if more:
         try:
-            at = (_HEAD.size + n_node).tolist()
             for i in more:
                 w = windows[i]
                 windows[i] = _window_of(
-                    blobs[i], at[i], int(n_json[i]), int(n_flows[i]), w.node, w.seq, w.t
+                    blobs[i], name_end[i], int(n_json[i]), int(n_flows[i]), w.node, w.seq, w.t
                 )[0]
             flows = flow_table([w.flows for w in windows])
         except _NOT_A_WINDOW:
