@@ -186,6 +186,75 @@ def test_retransmits_of_one_link_blame_the_link_not_one_end() -> None:
     assert view.node == {} and view.links == {1: (2, "retrans", 1.0)}
 
 
+def _lossy(flows: tuple, losses: dict[tuple[int, int], list[int]]) -> tuple:
+    """``flows`` with each listed flow's retransmits spread over samples (one poll each)."""
+    out = []
+    for p in flows:
+        per = losses.get((p.rank, p.peer))
+        if per:
+            samples = tuple((float(i), 1.0, p.tx_bytes // len(per), 0, 2000.0, n, 10.0, 0)
+                            for i, n in enumerate(per))  # fmt: skip
+            p = p._replace(retrans=sum(per), samples=samples)
+        out.append(p)
+    return tuple(out)
+
+
+def test_a_lossy_host_whose_losses_lean_on_one_link_is_still_its_node() -> None:
+    """The first judged window of a lab host losing 10 % of what it sends
+    (regress-packet-loss-link-short-of-share): 79 % of its losses on its link to
+    rank 1, the rest on its link to rank 3. Two ranks pass the share, the link
+    between them does not without its largest sample, and the host, which
+    carries every loss, is named. A lossy link (both ends at the same share)
+    stays a link, and a link short of the share with its ends level names nobody."""
+    from fsdp_sentinel.detect.network import network_view
+
+    cfg = DetectConfig().network
+    ranks = [0, 1, 2, 3]
+    host = _lossy(matrix({}, {}), {(2, 1): [158, 181, 399, 674], (2, 3): [138, 242]})
+    view = network_view(host, ranks, None, cfg)
+    assert view.node == {2: "retrans"} and view.links == {}
+    assert view.share[1] >= cfg.retrans_share  # the link was tried, and failed
+    cable = _lossy(matrix({}, {}), {(2, 1): [158, 181, 399, 674], (1, 2): [150, 170]})
+    assert network_view(cable, ranks, None, cfg).links == {2: (1, "retrans", 1.0)}
+    burst = _lossy(matrix({}, {}), {(2, 1): [2, 3, 900], (1, 2): [3, 2]})
+    view = network_view(burst, ranks, None, cfg)
+    assert view.node == {} and view.links == {}
+
+
+def test_every_judged_window_of_a_lossy_host_names_it() -> None:
+    """Replayed, regress-packet-loss-link-short-of-share names rank 2 in every report of
+    the fault whose step is stretched, so the run of bad windows that flags it
+    is never broken (the old rule named nobody in the first: flagged a step
+    later there, and never in a CI run of the same kind)."""
+    import json
+    from pathlib import Path
+
+    from fsdp_sentinel import trace
+
+    path = Path(__file__).parent / "traces" / "regress-packet-loss-link-short-of-share.jsonl.zst"
+    truth = json.loads(path.with_name(path.name.replace(".jsonl.zst", ".truth.json")).read_text())
+    fault = truth["stragglers"][0]
+    min_effect = DetectConfig().baseline.min_effect
+    pipe, seen, named = Pipeline(), set(), []
+    for rec in trace.read_trace(path):
+        if rec["kind"] in ("verdict", "action"):
+            continue
+        pipe.feed(rec)
+        rep = pipe.last_report
+        if rep is None or id(rep) in seen or rep.step is None:
+            continue
+        seen.add(id(rep))
+        if not fault["onset_step"] <= rep.step <= fault["end_step"]:
+            continue
+        base = rep.baseline_step_s
+        if rep.stretch is None or base is None or rep.job_step_s is None:
+            continue
+        if rep.stretch >= min_effect and rep.job_step_s >= base * (1 + min_effect):
+            named.append({s.rank: s.candidate for s in rep.scores if s.candidate})
+    assert len(named) >= 4
+    assert named == [{2: "network"}] * len(named)
+
+
 def _receivers_stalled(recs: list[dict], receivers: set[int], start: int, end: int) -> list[dict]:
     """``recs`` with the srtt of flows *to* ``receivers`` inflated 15x over steps
     [start, end): what a polled tcp_info srtt shows on flows whose receiver does
