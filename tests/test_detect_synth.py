@@ -363,6 +363,43 @@ def test_a_lossy_host_that_loses_all_along_is_still_flagged_network() -> None:
     assert flag["step"] - 10 <= 3
 
 
+@pytest.mark.parametrize("ranks", [4, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_lossy_host_whose_slow_steps_alternate_with_quick_ones_is_flagged(
+    ranks: int, seed: int
+) -> None:
+    # A host losing packets all along, while TCP recovers some steps' losses
+    # quickly and others only after timeouts: every other step 3x slow (the
+    # job 2x slower), its flows' retransmits steady. Each quick step counted
+    # clean and started the run of bad windows over: never flagged. A quick
+    # step while the flows still name the host now says nothing either way.
+    faults = tuple(
+        S.SlowNetwork(2, 1.0 if s % 2 else 3.0, s, s + 1, srtt_factor=1.0, retrans_per_s=300.0)
+        for s in range(10, 28)
+    )
+    scn = S.Scenario(seed=seed, ranks=ranks, steps=34, faults=faults, **REAL)
+    verdicts, _, _ = run(scn)
+    flagged = [(v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged"]
+    assert flagged == [(2, "network")], verdicts
+    flag = next(v for v in verdicts if v["state"] == "flagged")
+    assert flag["evidence"]["by"] == "retrans"
+    # the window's median is stretched from step 12 on, every other step: the second
+    assert flag["step"] == 14
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_short_lossy_spells_apart_are_never_one_run(seed: int) -> None:
+    # Two spells of two lossy steps, ten steps apart: each too short to flag.
+    # Once the first spell's losses leave the flows' window, the quick steps
+    # count clean again, so the second spell starts a run of its own.
+    spells = [
+        S.SlowNetwork(2, 3.0, s, s + 1, srtt_factor=1.0, retrans_per_s=300.0)
+        for s in (10, 11, 24, 25)
+    ]
+    verdicts, _, _ = run(S.Scenario(seed=seed, steps=34, faults=tuple(spells), **REAL))
+    assert [v for v in verdicts if v["state"] == "flagged"] == []
+
+
 LOSSY = {
     "node": S.SlowNetwork(2, 2.0, 10, 30, 1.1, retrans_per_s=30.0),
     "link": S.SlowLink(2, 3, 2.0, 10, 30, 1.1, retrans_per_s=30.0),

@@ -86,6 +86,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         lates_array = np.sort(ranks.late_s[keep & (ranks.matched > 0)])
         lates_sorted = lates_array.tolist()
         causes = columns.open_causes()
+        open_run = bool(((columns.bad > 0) & (columns.cause == 0)).any())
     else:
         tracks = columnar.as_dict(state.tracks)
         present = [rs for rs in summary.ranks if rs.rank not in lost_now]
@@ -95,6 +96,7 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
         lates_array = None
         causes = {r: tr.cause for r, tr in tracks.items() if tr.cause}
+        open_run = any(tr.bad > 0 and not tr.cause for tr in tracks.values())
     job_recent = state.job_recent
     if job_step is not None:
         job_recent = push(job_recent, job_step, cfg.persistence.window)
@@ -124,9 +126,10 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         median(state.srtt_hist) if state.srtt_hist else None,
         cfg.network,
         flagged_net,
-        # Judged only when it can matter: the job is slow, or a network
-        # verdict is open (to hold or clear it).
-        judge=(stretched_now and not stall_explained) or bool(flagged_net),
+        # Judged only when it can matter: the job is slow, a network verdict
+        # is open (to hold or clear it), or a run of bad windows is (a quick
+        # step while the flows still name its rank does not end the run).
+        judge=(stretched_now and not stall_explained) or bool(flagged_net) or open_run,
     )
     # Ranks that explain the job's stretch already: flagged (compute or
     # network), or the one the view localises the retransmits to (a node, or

@@ -103,6 +103,19 @@ def judge_rank(rs: RankStep, tr: RankTrack, ctx: StepContext) -> Judged:
         )
     ):
         candidate = "network"
+    # A quick step between slow ones, while the flows still name the rank (a
+    # lossy host: TCP recovers some steps' losses quickly, others only after
+    # timeouts), says nothing either way: the run of bad windows waits for the
+    # next judged step instead of starting over. Else a host losing 10 % of
+    # its packets, the job 2x slower, was never flagged when its slow steps
+    # alternated with quick ones (each quick step counted clean).
+    waiting_case = (
+        candidate is None
+        and tr.cause is None
+        and tr.bad > 0
+        and not stretched_now
+        and network.is_candidate(rs.rank, net, False, cfg.network)
+    )
 
     cause, flagged_step = tr.cause, tr.flagged_step
     compute_hist, compute_sorted = compute.own_history(
@@ -113,7 +126,7 @@ def judge_rank(rs: RankStep, tr: RankTrack, ctx: StepContext) -> Judged:
         tr.clean,
         cause,
         candidate,
-        rel_now is not None or stretch is not None,
+        (rel_now is not None or stretch is not None) and not waiting_case,
         cfg.persistence,
     )
     if action is persistence.FLAG and candidate is not None:

@@ -452,14 +452,15 @@ def _retransmits(
     if total < cfg.retrans_min or len(ranks) < 3 or not all_bytes:
         return share, total
 
-    def localised(k: int, byte_share: float, burst: int) -> bool:
-        """``k`` of the window's retransmits on flows carrying ``byte_share`` of its bytes
-        are enough, unlikely by chance, with and without the largest sample ``burst``."""
+    def localised(k: int, byte_share: float, burst: int, of: int = total) -> bool:
+        """``k`` of ``of`` retransmits (the window's) on flows carrying ``byte_share`` of
+        their bytes are enough, unlikely by chance, with and without the largest
+        sample ``burst``."""
         return all(
             n >= cfg.retrans_min
             and m >= cfg.retrans_share * n
             and binomial_tail(m, n, min(byte_share, 1.0)) <= cfg.retrans_p
-            for m, n in ((k, total), (k - burst, total - burst))
+            for m, n in ((k, of), (k - burst, of - burst))
         )
 
     high = sorted(
@@ -495,18 +496,38 @@ def _retransmits(
             if on_link and sent_b >= cfg.retrans_share * on_link:
                 a, b = b, a
             links.setdefault(a, (b, "retrans", on_link / total))
-        elif re_touch[top] > re_touch[high[1]]:
+        elif _off_link_localised(flows, top, a + b - top, localised):
             # The link between the two does not carry the case, and ``top``
-            # does (localised above), with losses on its other links that the
-            # other end never touches: ``top``'s node. A lossy host's ring
-            # traffic put 79 % of a window's losses on one of its links, the
-            # rest on another: the link failed without its largest sample,
-            # no hypothesis was left, and the window broke the run of bad
-            # windows that flags the host (a CI run missed a 10 % lossy host
-            # for all six of its steps). A true lossy link has both ends at
-            # the same share, so it never falls here.
+            # does (localised above), and so do its losses off that link: a
+            # lossy host's ring traffic put 79 % of a window's losses on one
+            # of its links and the rest on another, the link failed without
+            # its largest sample, no hypothesis was left, and the window broke
+            # the run of bad windows that flags the host (a CI run missed a
+            # 10 % lossy host for all six of its steps). A lossy link's ends
+            # lose nothing else but the background, which never localises.
             node.setdefault(top, "retrans")
     return share, total
+
+
+def _off_link_localised(
+    flows: tuple[PairFlow, ...], top: int, other: int, localised: Callable[..., bool]
+) -> bool:
+    """Are the retransmits off the ``top``-``other`` link localised to ``top``: enough of
+    them on its other flows, unlikely by chance for the bytes those carry?"""
+    link = {top, other}
+    k = n = mine_bytes = all_bytes = burst = 0
+    for p in flows:
+        if {p.rank, p.peer} == link:
+            continue
+        m = lost(p)
+        n += m
+        all_bytes += p.tx_bytes
+        if top in (p.rank, p.peer):
+            k += m
+            mine_bytes += p.tx_bytes
+            if m:
+                burst = max(burst, max(map(_lost_in, p.samples), default=0))
+    return bool(all_bytes) and localised(k, mine_bytes / all_bytes, burst, n)
 
 
 def _largest_sample(flows: tuple[PairFlow, ...], a: int, b: int) -> int:
