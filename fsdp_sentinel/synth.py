@@ -58,6 +58,10 @@ class SlowNetwork:
     # Retransmits a second on the flows sent *to* the rank (its ring
     # neighbour's data, dropped on the way in): counted on the neighbour's socket.
     retrans_to_per_s: float = 0.0
+    # Only every ``slow_every``-th step from ``start`` is ``factor`` x slower;
+    # srtt and retransmits go on all along (a lossy host: TCP recovers some
+    # steps' losses quickly, others only after timeouts).
+    slow_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -223,7 +227,8 @@ def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = No
     for x in faults:
         g: Any = x
         if isinstance(g, kind) and g.start <= step < g.end and (rank is None or g.rank == rank):
-            f *= g.factor
+            if (step - g.start) % getattr(g, "slow_every", 1) == 0:
+                f *= g.factor
     return f
 
 
@@ -266,8 +271,8 @@ def truth_of(scn: Scenario) -> dict[str, Any]:
         if isinstance(x, SlowCompute):
             eff = 1.0 + (scn.compute_s * (x.factor - 1.0) + x.in_coll) / base
             cause = "compute"
-        elif isinstance(x, SlowNetwork):
-            eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
+        elif isinstance(x, SlowNetwork):  # on average, over every step of it
+            eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base / x.slow_every
             cause = "network"
         elif isinstance(x, SlowLink):
             eff = 1.0 + scn.n_coll * scn.xfer_s * (x.factor - 1.0) / base
