@@ -226,9 +226,13 @@ def _factor(faults: tuple[Any, ...], kind: Any, step: int, rank: int | None = No
     f = 1.0
     for x in faults:
         g: Any = x
-        if isinstance(g, kind) and g.start <= step < g.end and (rank is None or g.rank == rank):
-            if (step - g.start) % getattr(g, "slow_every", 1) == 0:
-                f *= g.factor
+        if (
+            isinstance(g, kind)
+            and g.start <= step < g.end
+            and (rank is None or g.rank == rank)
+            and (step - g.start) % getattr(g, "slow_every", 1) == 0  # SlowNetwork's
+        ):
+            f *= g.factor
     return f
 
 
