@@ -384,6 +384,46 @@ def test_a_lossy_host_whose_slow_steps_alternate_with_quick_ones_is_flagged(
     assert flag["step"] == 14
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_compute_run_costs_no_network_view_on_quick_steps(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    # Only a run the network view started needs the view on a quick step; a
+    # compute straggler's run must not pay for it (at 16k ranks the first
+    # version, any open run, added ~25 ms to the mean window of leader_scale).
+    # A mild one (1.1x compute: the job's steps mostly under min_effect) has
+    # quick steps inside its run.
+    from fsdp_sentinel.detect import network
+
+    calls: list[int] = []
+    real = network.network_view
+
+    def counted(*a: Any, **k: Any) -> network.NetView:
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(network, "network_view", counted)
+    scn = S.Scenario(seed=seed, steps=34, faults=(S.SlowCompute(2, 1.1, 10, 30),), **REAL)
+    recs, _ = S.generate(scn)
+    pipe, last, min_effect = Pipeline(), None, DetectConfig().baseline.min_effect
+    verdicts: list[dict] = []
+    quick_views = 0
+    for rec in recs:
+        before = len(calls)
+        verdicts += pipe.feed(rec) or []
+        rep = pipe.last_report
+        if rep is None or rep is last or rep.step is None:
+            continue
+        last = rep
+        base, step_s = rep.baseline_step_s, rep.job_step_s
+        quick = base is None or step_s is None or step_s < base * (1 + min_effect)
+        quick_views += quick and len(calls) > before
+    assert [(v["rank"], v["cause"]) for v in verdicts if v["state"] == "flagged"] == [
+        (2, "compute")
+    ]
+    assert quick_views == 0
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_two_short_lossy_spells_apart_are_never_one_run(seed: int) -> None:
     # Two spells of two lossy steps, ten steps apart: each too short to flag.
