@@ -86,7 +86,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         lates_array = np.sort(ranks.late_s[keep & (ranks.matched > 0)])
         lates_sorted = lates_array.tolist()
         causes = columns.open_causes()
-        held: Tracks = columns
     else:
         tracks = columnar.as_dict(state.tracks)
         present = [rs for rs in summary.ranks if rs.rank not in lost_now]
@@ -96,7 +95,6 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
         lates_sorted = sorted(rs.late_s for rs in present if rs.matched)
         lates_array = None
         causes = {r: tr.cause for r, tr in tracks.items() if tr.cause}
-        held = tracks
     job_recent = state.job_recent
     if job_step is not None:
         job_recent = push(job_recent, job_step, cfg.persistence.window)
@@ -116,9 +114,9 @@ def detect(summary: Summary, state: DetectState, config: DetectConfig) -> Report
     # A run of bad windows the network view started (a rank the last view
     # named, not yet flagged) is held through quick steps while the flows
     # still name its rank (judge_rank): the view is needed to tell.
-    last_view: network.NetView | None = state.net_memo[2] if state.net_memo else None
+    last_view = network.memo_view(state.net_memo)
     open_run = last_view is not None and any(
-        (t := held.get(r)) is not None and t.bad > 0 and not t.cause
+        (t := state.tracks.get(r)) is not None and t.bad > 0 and not t.cause
         for r in (*last_view.node, *last_view.links)
     )
     n_lates = len(lates_sorted)

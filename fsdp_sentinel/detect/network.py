@@ -578,6 +578,12 @@ def network_view_memo(
     return view, (key, srtt_base, view)
 
 
+def memo_view(memo: tuple[Any, ...]) -> NetView | None:
+    """The view kept in a :func:`network_view_memo` memo: the last one computed
+    (None before the first)."""
+    return memo[2] if memo else None
+
+
 def excess_us(rank: int, net: NetView) -> float:
     """How far the srtt of the flows touching ``rank`` is above the others' (us)."""
     touching, others = net.touching_us.get(rank), net.others_us.get(rank)
