@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left, bisect_right
-from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from itertools import islice, repeat
@@ -39,6 +39,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fsdp_sentinel import buckets
+from fsdp_sentinel.flowstore import (
+    FlowMatrix,
+    FlowStore,
+    PairFlow,
+    PairMap,
+)
 from fsdp_sentinel.rankstep import RankStep, Rows, StepRanks, row_of
 from fsdp_sentinel.ranktotals import RankTotals
 from fsdp_sentinel.trace import KEY
@@ -73,34 +79,6 @@ _FIELDS = itemgetter(*(KEY[f] for f in ("seq", "issue", "end", "op", "bytes")))
 #: skipping the Python-level constructor each NamedTuple class has (for those
 #: made per pair here, per node in ``cluster.summary``).
 new_tuple = tuple.__new__
-
-
-class PairFlow(NamedTuple):
-    """Traffic ``rank`` -> ``peer`` as ``rank``'s sockets saw it over ``dt`` seconds.
-
-    ``srtt_us`` is weighted by bytes sent (None when no flow reported one);
-    ``samples`` are the window's own samples, for figures only some steps need
-    (the network rule's medians, ``detect.network.figures``).
-    """
-
-    rank: int
-    peer: int
-    tx_bytes: int
-    rx_bytes: int
-    dt: float
-    srtt_us: float | None
-    retrans: int
-    # The window's samples, ``(t, dt, tx, rx, srtt_us, retrans, cwnd,
-    # dsack_dups)``: the network rule takes its medians from them, only when
-    # it needs them.
-    samples: tuple[tuple[Any, ...], ...] = ()
-    # Every sample's source was a loopback address (:func:`loopback_endpoint`):
-    # no wire and no queue between the ends, so its srtt and retransmits say
-    # how promptly the two processes ran, nothing about a network.
-    loopback: bool = False
-    # Of ``retrans``, segments the receiver reported it already had (D-SACK):
-    # spurious retransmits, of data that had arrived (its ACK was late).
-    dsack_dups: int = 0
 
 
 class RankLiveness(NamedTuple):
@@ -267,7 +245,7 @@ class Summary(NamedTuple):
     t: float
     step: int | None
     ranks: Sequence[RankStep]
-    flows: tuple[PairFlow, ...]
+    flows: Sequence[PairFlow]  # a FlowMatrix, or a tuple
     liveness: Sequence[RankLiveness]
     job_done: int
     mid_step: bool
@@ -589,57 +567,10 @@ def _picker(idx: list[int]) -> Callable[[Sequence[float]], Sequence[float]]:
     return itemgetter(*idx)
 
 
-#: How a loopback endpoint begins (``probes.records.endpoint``'s forms: IPv4,
-#: bracketed IPv6, IPv4-mapped IPv6).
-_LOOPBACK_PREFIXES = ("127.", "[::1]", "[::ffff:127.")
-
-
-def loopback_endpoint(endpoint: object) -> bool:
-    """Is ``endpoint`` (``addr:port``) on a loopback address?"""
-    return isinstance(endpoint, str) and endpoint.startswith(_LOOPBACK_PREFIXES)
-
-
 #: A flow's identity: (host, pid, local endpoint, remote endpoint).
 FlowKey = tuple[Any, Any, Any, Any]
-#: A flow sample as filed: (t, dt, tx, rx, srtt_us or None, retrans, cwnd or
-#: None, dsack_dups).
-FlowSample = tuple[float, float, int, int, Any, int, Any, int]
 #: What a flow sample without a record names of its ranks: nothing.
 _NO_RANKS: Record = {}
-
-
-class _Pair:
-    """A directed pair's flow samples over the window, and its totals."""
-
-    __slots__ = (
-        "key",
-        "samples",
-        "tx_total",
-        "rx_total",
-        "retrans_total",
-        "dsack_total",
-        "srtt_us",
-        "tx_rate",
-        "rx_rate",
-        "view",
-        "last_t",
-        "loopback",
-    )
-
-    def __init__(self, key: tuple[int, int]) -> None:
-        self.key = key  # (rank, peer)
-        self.samples: deque[FlowSample] = deque()
-        self.tx_total = 0
-        self.rx_total = 0
-        self.retrans_total = 0
-        self.dsack_total = 0  # of them, D-SACKed: spurious
-        self.srtt_us: float | None = None
-        self.tx_rate: float | None = None
-        self.rx_rate: float | None = None
-        # flow_matrix's figures for these samples; None once they change.
-        self.view: PairFlow | None = None
-        self.loopback = True  # until a sample from a routable address comes
-        self.last_t = 0.0  # its newest sample's time (the sweep's time-to-live)
 
 
 def _ip(endpoint: str) -> str:
@@ -915,22 +846,25 @@ class Correlator:
         self.flow_dt: float | None = None  # the probes' interval: the latest flow sample's dt
         self.ranks: dict[int, _Rank] = {}
         self.world_size: int | None = None
-        self.pairs: dict[tuple[int, int], _Pair] = {}
+        # Every directed pair's flow samples and totals (fsdp_sentinel.flowstore).
+        self.flows = FlowStore(flow_window_s, self.limits.max_pairs)
         self._pid_rank: dict[tuple[str, int], int] = {}
         self._pid_only: dict[int, int | None] = {}  # pid -> rank, None when ambiguous
         self._addr_rank: dict[str, int | None] = {}  # ip -> rank, None when shared
         self._endpoint_rank: dict[str, int] = {}  # "ip:port" local end -> rank
-        # A flow's (host, pid, src, dst) -> the pair its samples file into; or
-        # its (rank, peer) while that pair cannot be made (the pair map full)
-        # or is swept. One lookup a sample: a big job's leader files a flow
-        # record a rank every second.
-        self._flow_cache: dict[tuple[str, int, str, str], _Pair | tuple[int, int]] = {}
+        # A flow's (host, pid, src, dst) -> the slot its samples file into
+        # (``_flow_slot``); or its (rank, peer) while that pair cannot be made
+        # (the pair map full) or is swept (``_flow_pair``). A flow is in one
+        # of the two at most. One lookup a sample: a big job's leader files a
+        # flow record a rank every second (a round's all at once when every
+        # one is a slot: ``add_flow_rows``).
+        self._flow_slot: dict[FlowKey, int] = {}
+        self._flow_pair: dict[FlowKey, tuple[int, int]] = {}
         self._torn: dict[int, dict[int, float]] = {}  # rank -> peer -> first torn time
         self._self_closed: dict[int, float] = {}
         self._reset_by: dict[int, set[int]] = {}  # rank -> peers whose connection it reset
         self._peers: dict[int, set[int]] = {}
-        self._pair_list: list[_Pair] | None = None  # self.pairs' values by key, cached
-        self._matrix: tuple[PairFlow, ...] | None = None  # flow_matrix's last answer
+        self._matrix: FlowMatrix | tuple[()] | None = None  # flow_matrix's last answer
         self._matrix_oldest = math.inf  # its oldest sample's time
         # Flow samples whose interval began before this are no evidence (a new
         # attempt's warm-up: ``drop_flows_before``); -inf: every sample counts.
@@ -1002,7 +936,7 @@ class Correlator:
         for table in (self._torn, self._self_closed, self._reset_by, self._peers):
             table.pop(rank, None)  # type: ignore[attr-defined]
         self._pending_ranks.discard(rank)
-        self._flow_cache.clear()
+        self._forget_flows()
 
     def _busy(self, rs: _Rank) -> None:
         """``rs`` sent a step or collective: it is no longer idle (never evicted for room)."""
@@ -1035,8 +969,13 @@ class Correlator:
         for a in rs.addrs:
             prev = self._addr_rank.get(a, rank)
             self._addr_rank[a] = rank if prev == rank else None
-        self._flow_cache.clear()  # attributions may change
+        self._forget_flows()  # attributions may change
         return rs
+
+    def _forget_flows(self) -> None:
+        """Empty the flow cache (refilled from the maps as flows come)."""
+        self._flow_slot.clear()
+        self._flow_pair.clear()
 
     def add_step(self, rec: Record) -> tuple[_Rank, int]:
         rs = self.rank_of(int(rec[_RANK]))
@@ -1352,9 +1291,9 @@ class Correlator:
         ws = self.world_size
         if ws is not None and not (0 <= hit[0] < ws and 0 <= hit[1] < ws):
             return None  # a rank outside the announced world: no pair of the job's
-        if len(self._flow_cache) >= self.limits.max_endpoints:
-            self._flow_cache.clear()  # a cache: refilled from the maps as flows come
-        self._flow_cache[key] = hit
+        if len(self._flow_slot) + len(self._flow_pair) >= self.limits.max_endpoints:
+            self._forget_flows()  # a cache: refilled from the maps as flows come
+        self._flow_pair[key] = hit
         self._peers.setdefault(hit[0], set()).add(hit[1])
         self._peers.setdefault(hit[1], set()).add(hit[0])
         self._live_peers = None
@@ -1407,99 +1346,104 @@ class Correlator:
             h[0] = t
             h[1] = rec[_DT]
 
+    @property
+    def pairs(self) -> PairMap:
+        """Every directed pair's totals and live samples, by ``(rank, peer)``."""
+        return self.flows.pairs
+
+    def _heard(self, host: str, t: float, dt: float) -> None:
+        """:meth:`heard_host` of a flow row (``t`` and ``dt`` floats already)."""
+        h = self.hosts_heard.get(host)
+        if h is None:
+            if len(self.hosts_heard) >= self.limits.max_hosts:
+                self.evicted["host"] += 1
+            else:
+                self.hosts_heard[host] = [t, dt]
+        elif t > h[0]:
+            h[0] = t
+            h[1] = dt
+
     def add_flow(self, rec: Record) -> tuple[int, int] | None:
         """File one flow sample; return the ``(rank, peer)`` it was attributed to, or None."""
         self.heard_host(rec)
         key = (rec["host"], rec["pid"], rec["src"], rec["dst"])
-        pair = self._flow_cache.get(key)
-        if not isinstance(pair, _Pair):
-            pair = self._pair_of(key, rec, pair)
-            if pair is None:
+        slot = self._flow_slot.get(key)
+        if slot is None:
+            slot = self._pair_of(key, rec)
+            if slot is None:
                 return None
-        sample = (
-            float(rec["t"]), float(rec["dt"]), int(rec["tx_bytes"]), int(rec["rx_bytes"]),
-            rec.get("srtt_us"), int(rec.get("retrans") or 0), rec.get("cwnd"),
-            int(rec.get("dsack_dups") or 0),
+        dt = float(rec["dt"])
+        self.flows.add(
+            slot,
+            rec["src"],
+            (float(rec["t"]), dt, int(rec["tx_bytes"]), int(rec["rx_bytes"]),
+             rec.get("srtt_us"), int(rec.get("retrans") or 0), rec.get("cwnd"),
+             int(rec.get("dsack_dups") or 0)),
         )  # fmt: skip
-        self._file_sample(pair, rec["src"], sample)
+        self.flow_dt = dt
         self._matrix = None
-        return pair.key
+        return self.flows.key_of(slot)
 
-    def add_flow_rows(self, keys: Sequence[FlowKey], samples: Sequence[FlowSample]) -> None:
+    def add_flow_rows(
+        self,
+        keys: Sequence[FlowKey],
+        times: Sequence[float],
+        dts: Sequence[float],
+        source: Mapping[str, np.ndarray],
+        first: int,
+    ) -> None:
         """File flow samples as :meth:`add_flow` files their records, in order:
-        ``keys[i]`` is sample ``i``'s ``(host, pid, src, dst)``, ``samples[i]``
-        its figures as filed (``FlowSample``), with no rank or peer named.
+        sample ``i`` is row ``first + i`` of ``source`` (the columns
+        :meth:`FlowStore.add_rows` takes), ``keys[i]`` its ``(host, pid, src,
+        dst)``, ``times[i]`` and ``dts[i]`` its time and interval; no rank or
+        peer named.
 
         A leader's round of a big job carries a flow sample a rank each
         second (``cluster.flowrows``): made from a round's columns, they are
-        filed without a record, a dict lookup or a conversion each.
+        filed without a record, a dict or a conversion each.
         """
-        cache, heard, file_sample = self._flow_cache, self.hosts_heard, self._file_sample
-        max_hosts = self.limits.max_hosts
-        filed = False
-        for key, sample in zip(keys, samples, strict=True):
-            # heard_host, inlined
-            host, t = key[0], sample[0]
-            h = heard.get(host)
-            if h is None:
-                if len(heard) >= max_hosts:
-                    self.evicted["host"] += 1
-                else:
-                    heard[host] = [t, sample[1]]
-            elif t > h[0]:
-                h[0] = t
-                h[1] = sample[1]
-            pair = cache.get(key)
-            if type(pair) is not _Pair:  # not narrowed by mypy: the (rank, peer), or None
-                pair = self._pair_of(key, _NO_RANKS, pair)  # type: ignore[arg-type]
-                if pair is None:
-                    continue
-            file_sample(pair, key[2], sample)
-            filed = True
-        if filed:
+        heard = self._heard
+        slots: list[Any] = list(map(self._flow_slot.get, keys))
+        rows: Sequence[int] = range(first, first + len(slots))
+        if None in slots:
+            # A flow to attribute: a sample at a time (attributing one may
+            # change the maps, or empty the cache, for the next).
+            rows, slots = [], []
+            for i, (key, t) in enumerate(zip(keys, times, strict=True)):
+                heard(key[0], t, dts[i])
+                slot = self._flow_slot.get(key)
+                if slot is None:
+                    slot = self._pair_of(key, _NO_RANKS)
+                    if slot is None:
+                        continue
+                rows.append(first + i)
+                slots.append(slot)
+        else:
+            for key, t, dt in zip(keys, times, dts, strict=True):
+                heard(key[0], t, dt)
+        if rows:
+            self.flows.add_rows(source, rows, slots)
+            self.flow_dt = float(dts[rows[-1] - first])
             self._matrix = None
 
-    def _file_sample(self, pair: _Pair, src: str, sample: FlowSample) -> None:
-        """Add one attributed sample (from local endpoint ``src``) to its pair."""
-        t, dt, tx, rx, srtt, retrans, _cwnd, dsack = sample
-        samples = pair.samples
-        samples.append(sample)
-        if t > pair.last_t:
-            pair.last_t = t
-        self.flow_dt = dt
-        pair.view = None
-        # Keep memory flat when no step ever completes (probes, no trainer).
-        while samples[0][0] < t - 2 * self.flow_window_s:
-            samples.popleft()
-        pair.tx_total += tx
-        pair.rx_total += rx
-        pair.retrans_total += retrans
-        pair.dsack_total += dsack
-        if pair.loopback and not loopback_endpoint(src):
-            pair.loopback = False
-        if srtt is not None:
-            pair.srtt_us = float(srtt)
-        if dt > 0:
-            pair.tx_rate = tx / dt
-            pair.rx_rate = rx / dt
-
-    def _pair_of(self, key: FlowKey, rec: Record, hit: tuple[int, int] | None) -> _Pair | None:
-        """The pair a flow files into when the cache has no pair for it (made, and
-        cached, when there is room); None when none (counted)."""
+    def _pair_of(self, key: FlowKey, rec: Record) -> int | None:
+        """The slot a flow files into when the cache has no slot for it (its pair
+        made, and cached, when there is room); None when none (counted)."""
+        hit = self._flow_pair.get(key)
         if hit is None:
             hit = self._attribute(key, rec)
             if hit is None:
                 self.unattributed_flows += 1
                 return None
-        pair = self.pairs.get(hit)
-        if pair is None:
-            if len(self.pairs) >= self.limits.max_pairs:
+        slot = self.flows.slots.get(hit)
+        if slot is None:
+            slot = self.flows.make(hit)
+            if slot is None:
                 self.evicted["pair"] += 1
                 return None
-            pair = self.pairs[hit] = _Pair(hit)
-            self._pair_list = None
-        self._flow_cache[key] = pair
-        return pair
+        self._flow_pair.pop(key, None)
+        self._flow_slot[key] = slot
+        return slot
 
     def add_conn(self, rec: Record) -> None:
         host = rec["host"]
@@ -1547,17 +1491,16 @@ class Correlator:
         pairs with no sample since, hosts not heard from, ranks that only
         announced themselves (counted in :attr:`evicted`)."""
         horizon = now - self.limits.ttl_s
-        stale = [k for k, p in self.pairs.items() if p.last_t < horizon]
-        for key in stale:
-            del self.pairs[key]
+        stale = self.flows.sweep(horizon)
         if stale:
             # Flows cached to a pair now gone fall back to its (rank, peer):
             # their next sample makes a new pair.
-            cache, gone = self._flow_cache, set(stale)
-            for flow in [f for f, p in cache.items() if type(p) is _Pair and p.key in gone]:
-                cache[flow] = cache[flow].key  # type: ignore[union-attr]
+            gone = dict(stale)
+            for flow, slot in list(self._flow_slot.items()):
+                if slot in gone:
+                    del self._flow_slot[flow]
+                    self._flow_pair[flow] = gone[slot]
             self.evicted["pair"] += len(stale)
-            self._pair_list = None
             self._matrix = None
         for host in [h for h, v in self.hosts_heard.items() if v[0] < horizon]:
             del self.hosts_heard[host]
@@ -1999,34 +1942,14 @@ class Correlator:
         retrans: list[tuple[int, int, int]] = []
         delivered: list[tuple[int, int, int]] = []
         if pending:
-            since = min(p.issue for p in pending)
-            pairs = sorted(self.pairs.items())
             # Only samples wholly inside the stall: retransmits of the moments
-            # before it are the ordinary kind.
-            resent = math.inf  # when the first resending sample inside it ended
-            for key, pair in pairs:
-                n = 0
-                for x in pair.samples:
-                    if x[5] and x[0] - x[1] >= since:
-                        n += x[5]
-                        if x[0] < resent:
-                            resent = x[0]
-                if n:
-                    retrans.append((key[0], key[1], n))
-            # Bytes read once the first resending sample is over: those read
-            # during it may be the last that crossed before a cut (a peer's
-            # in-flight window arrives within a round trip, the first resend
-            # comes an RTO, >= 200 ms, later). Another host's polls may lag
-            # this one's by up to half an interval. Nothing resent: no pass.
-            if retrans:
-                for key, pair in pairs:
-                    got = sum(
-                        x[3]
-                        for x in pair.samples
-                        if x[0] - x[1] >= since and x[0] - x[1] / 2 >= resent
-                    )
-                    if got:
-                        delivered.append((key[0], key[1], got))
+            # before it are the ordinary kind. Bytes read once the first
+            # resending sample is over: those read during it may be the last
+            # that crossed before a cut (a peer's in-flight window arrives
+            # within a round trip, the first resend comes an RTO, >= 200 ms,
+            # later). Another host's polls may lag this one's by up to half an
+            # interval. Nothing resent: no pass.
+            retrans, delivered = self.flows.stall_figures(min(p.issue for p in pending))
         return Stall(tuple(pending), tuple(newest), heard, tuple(retrans), tuple(delivered))
 
     # ------------------------------------------------------------ views
@@ -2051,61 +1974,20 @@ class Correlator:
         self._flow_floor = t
         self._matrix = None
 
-    def flow_matrix(self, now: float) -> tuple[PairFlow, ...]:
-        """Each directed pair's figures over the latest ``flow_window_s`` seconds."""
+    def flow_matrix(self, now: float) -> Sequence[PairFlow]:
+        """Each directed pair's figures over the latest ``flow_window_s`` seconds
+        (:class:`~fsdp_sentinel.flowstore.FlowMatrix`, by key; ``()`` when no
+        pair has a sample)."""
         horizon = now - self.flow_window_s
-        floor = self._flow_floor
         # Steps come faster than flow samples: while no sample arrived and none
-        # aged out, the matrix is the one already built (the very same tuple,
+        # aged out, the matrix is the one already built (the very same object,
         # which also lets the detector reuse what it derived from it).
         if self._matrix is not None and horizon <= self._matrix_oldest:
             return self._matrix
-        out: list[PairFlow] = []
-        append = out.append
-        oldest = math.inf
-        plist = self._pair_list
-        if plist is None:  # reset when a pair comes or goes
-            pairs = self.pairs
-            plist = self._pair_list = [pairs[k] for k in sorted(pairs)]
-        for pair in plist:
-            samples = pair.samples
-            while samples and (samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor):
-                samples.popleft()
-                pair.view = None
-            if not samples:
-                continue
-            if samples[0][0] < oldest:
-                oldest = samples[0][0]
-            # Pairs report about once a second, steps come faster: the same
-            # samples give the same figures, so reuse them until they change.
-            view = pair.view
-            if view is not None:
-                append(view)
-                continue
-            tx = rx = retrans = dsack = wbytes = 0
-            dt = wsum = 0.0
-            for _t, sdt, stx, srx, srtt, sre, _cwnd, sdup in samples:
-                tx += stx
-                rx += srx
-                dt += sdt
-                retrans += sre
-                dsack += sdup
-                if srtt is not None:
-                    w = stx if stx > 0 else 1
-                    wsum += srtt * w
-                    wbytes += w
-            # Made from its fields' tuple in C (every pair, every new sample:
-            # 16k pairs a second at 16k ranks), in PairFlow's field order.
-            key = pair.key
-            view = pair.view = new_tuple(
-                PairFlow,
-                (key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans,
-                 tuple(samples), pair.loopback, dsack),
-            )  # fmt: skip
-            append(view)
-        self._matrix = matrix = tuple(out)
+        matrix, oldest = self.flows.matrix(horizon, self._flow_floor)
+        self._matrix = matrix if len(matrix) else ()
         self._matrix_oldest = oldest
-        return matrix
+        return self._matrix
 
     def liveness(self) -> Sequence[RankLiveness]:
         """Every rank's :class:`RankLiveness`, in rank order: a tuple, or for a job of

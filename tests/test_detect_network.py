@@ -354,7 +354,8 @@ def test_loopback_flows_are_no_network_evidence(seed: int) -> None:
 
 
 def test_a_pair_is_loopback_only_while_every_sample_came_from_a_loopback_address() -> None:
-    from fsdp_sentinel.correlate import Correlator, loopback_endpoint
+    from fsdp_sentinel.correlate import Correlator
+    from fsdp_sentinel.flowstore import loopback_endpoint
 
     assert loopback_endpoint("127.0.0.1:29500")
     assert loopback_endpoint("[::1]:29500")

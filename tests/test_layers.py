@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "trainer": 3,
     # the brain
     "ranktotals": 1,
+    "flowstore": 1,
     "correlate": 2,
     "stream": 2,
     "fabric": 2,

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from fsdp_sentinel.flowstore import ABSENT, FLOAT, INT
+
 Record = dict[str, Any]
 
 #: One flow record: its times and srtt, its integers, its strings' indices
@@ -80,6 +82,8 @@ def plain(rec: Record) -> bool:
         return False
     if not all(_i64(rec[k]) for k, _bit in _OPTIONAL_INTS if k in rec):
         return False
+    if "cwnd" in rec and not -_EXACT <= rec["cwnd"] <= _EXACT:
+        return False  # the store keeps a cwnd as a float: the record says why not
     if "srtt_us" in rec:
         srtt = rec["srtt_us"]
         if type(srtt) is float:
@@ -215,6 +219,23 @@ def cwnd_values(rows: np.ndarray) -> list[Any]:
     out = rows["cwnd"].astype(object)
     out[~has] = None
     return out.tolist()  # type: ignore[no-any-return]
+
+
+def sample_columns(rows: np.ndarray, strings: np.ndarray) -> dict[str, np.ndarray]:
+    """``rows`` (of a round's ``strings``) as the columns the correlator's flow
+    store files (``flowstore.FlowStore.add_rows``): absent retransmits and
+    D-SACKs 0, an absent srtt or cwnd of kind ``ABSENT``."""
+    form = rows["form"]
+    srtt_kind = np.where(
+        (form & HAS_SRTT) != 0, np.where((form & SRTT_INT) != 0, INT, FLOAT), ABSENT
+    ).astype(np.int8)
+    return {
+        "t": rows["t"], "dt": rows["dt"], "tx": rows["tx"], "rx": rows["rx"],
+        "srtt": rows["srtt"], "srtt_kind": srtt_kind, "retrans": rows["retrans"],
+        "cwnd": rows["cwnd"].astype(np.float64),
+        "cwnd_kind": np.where((form & HAS_CWND) != 0, INT, ABSENT).astype(np.int8),
+        "dsack": rows["dsack"], "src": strings[rows["src"]],
+    }  # fmt: skip
 
 
 NO_TABLE = FlowTable(np.zeros(0, ROW), np.zeros(0, object), np.zeros(0, np.int64))

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_sentinel.cluster.flowrows import FlowTable, cwnd_values, flow_table, srtt_values
+from fsdp_sentinel.cluster.flowrows import FlowTable, flow_table, sample_columns
 from fsdp_sentinel.cluster.summary import (
     Round,
     StepDigest,
@@ -43,7 +43,6 @@ from fsdp_sentinel.cluster.summary import decode_round as summary_decode_round
 from fsdp_sentinel.correlate import (
     Correlator,
     FlowKey,
-    FlowSample,
     LivenessColumns,
     RankLiveness,
     StateLimits,
@@ -333,7 +332,7 @@ class LeaderPipeline(Pipeline):
                     bisect_left(ts, self._next_tick, k, end),
                 )
             if j > k:
-                self.corr.add_flow_rows(line.keys[k:j], line.samples[k:j])
+                self.corr.add_flow_rows(line.keys[k:j], ts[k:j], line.dt[k:j], line.cols, k)
                 self._totals["flow"] = self._totals.get("flow", 0) + j - k
                 if ts[j - 1] > self.now:
                     self.now = ts[j - 1]
@@ -500,8 +499,9 @@ class LeaderDetector:
 
 class FlowLine:
     """A round's flow rows (:class:`~fsdp_sentinel.cluster.flowrows.FlowTable`) in
-    time order, as the correlator files them: ``t``, ``keys`` and ``samples``
-    (:meth:`Correlator.add_flow_rows`), made for every row at once.
+    time order, as the correlator files them: ``keys``, ``t``, ``dt`` and the
+    sample columns ``cols`` (:meth:`Correlator.add_flow_rows`), made for every
+    row at once.
 
     Rows of one time keep their windows' order, and a window's rows their own.
     """
@@ -522,12 +522,8 @@ class FlowLine:
             zip(s[got["host"]].tolist(), got["pid"].tolist(), s[got["src"]].tolist(),
                 s[got["dst"]].tolist(), strict=True)
         )  # fmt: skip
-        # absent: retrans and dsack_dups 0, srtt_us and cwnd None (as filed)
-        self.samples: list[FlowSample] = list(
-            zip(self.t, got["dt"].tolist(), got["tx"].tolist(), got["rx"].tolist(),
-                srtt_values(got), got["retrans"].tolist(), cwnd_values(got),
-                got["dsack"].tolist(), strict=True)
-        )  # fmt: skip
+        self.dt: list[float] = got["dt"].tolist()
+        self.cols = sample_columns(got, table.strings)
 
     def __len__(self) -> int:
         return len(self.t)

@@ -40,6 +40,7 @@ from fsdp_sentinel.detect.stats import (
     median_without_all,
     rnd,
 )
+from fsdp_sentinel.flowstore import routed_srtts
 
 
 class Flow(NamedTuple):
@@ -220,7 +221,7 @@ def _others_median(
     return median_without_all(everyone, list(map(key or _srtt, mine)))
 
 
-def routed(flows: tuple[PairFlow, ...]) -> tuple[PairFlow, ...]:
+def routed(flows: Sequence[PairFlow]) -> Sequence[PairFlow]:
     """The flows that crossed a network: all but the loopback ones.
 
     A loopback flow has no wire and no queue between its ends. Its srtt is how
@@ -236,7 +237,7 @@ def routed(flows: tuple[PairFlow, ...]) -> tuple[PairFlow, ...]:
 
 
 def network_view(
-    flows: tuple[PairFlow, ...],
+    flows: Sequence[PairFlow],
     ranks: Sequence[int],
     srtt_base: float | None,
     cfg: NetworkConfig,
@@ -417,7 +418,7 @@ def _slow_links(
 
 
 def _retransmits(
-    flows: tuple[PairFlow, ...],
+    flows: Sequence[PairFlow],
     ranks: Sequence[int],
     between: dict[tuple[int, int], list[Flow]],
     node: dict[int, str],
@@ -510,7 +511,7 @@ def _retransmits(
 
 
 def _off_link_localised(
-    flows: tuple[PairFlow, ...], top: int, other: int, localised: Callable[..., bool]
+    flows: Sequence[PairFlow], top: int, other: int, localised: Callable[..., bool]
 ) -> bool:
     """Are the retransmits off the ``top``-``other`` link localised to ``top``: enough of
     them on its other flows, unlikely by chance for the bytes those carry?"""
@@ -530,7 +531,7 @@ def _off_link_localised(
     return bool(all_bytes) and localised(k, mine_bytes / all_bytes, burst, n)
 
 
-def _largest_sample(flows: tuple[PairFlow, ...], a: int, b: int) -> int:
+def _largest_sample(flows: Sequence[PairFlow], a: int, b: int) -> int:
     """The most retransmits one sample of a flow between ``a`` and ``b`` carries."""
     return max(
         (_lost_in(x) for p in flows if {p.rank, p.peer} == {a, b} for x in p.samples), default=0
@@ -541,18 +542,14 @@ def _neighbours(between: dict[tuple[int, int], list[Flow]], r: int) -> list[int]
     return [b if a == r else a for a, b in between if r in (a, b)]
 
 
-def job_srtt(flows: tuple[PairFlow, ...], cfg: NetworkConfig) -> float | None:
+def job_srtt(flows: Sequence[PairFlow], cfg: NetworkConfig) -> float | None:
     """The median byte-weighted srtt of the active flows: the job's srtt, whose history
     (in unstretched steps) is the reference when every flow touches a rank."""
-    srtts = sorted(
-        p.srtt_us
-        for p in routed(flows)
-        if p.srtt_us is not None and p.tx_bytes >= cfg.net_min_bytes
-    )
+    srtts = routed_srtts(flows, cfg.net_min_bytes)
     return median_sorted(srtts) if srtts else None
 
 
-def quiet_view(flows: tuple[PairFlow, ...], cfg: NetworkConfig) -> NetView:
+def quiet_view(flows: Sequence[PairFlow], cfg: NetworkConfig) -> NetView:
     """The view of a step the rule need not judge (the job is not stretched and no rank
     is flagged ``network``): the job's srtt only, none of the medians."""
     return NetView({}, {}, {}, {}, {}, False, job_srtt(flows, cfg), 0, {}, {})
@@ -560,7 +557,7 @@ def quiet_view(flows: tuple[PairFlow, ...], cfg: NetworkConfig) -> NetView:
 
 def network_view_memo(
     memo: tuple[Any, ...],
-    flows: tuple[PairFlow, ...],
+    flows: Sequence[PairFlow],
     ranks: tuple[int, ...],
     srtt_base: float | None,
     cfg: NetworkConfig,
