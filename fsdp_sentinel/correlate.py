@@ -40,10 +40,10 @@ import numpy as np
 
 from fsdp_sentinel import buckets
 from fsdp_sentinel.flowstore import (
-    FlowMatrix,
-    FlowStore,
+    DequeStore,
     PairFlow,
     PairMap,
+    PairStore,
 )
 from fsdp_sentinel.rankstep import RankStep, Rows, StepRanks, row_of
 from fsdp_sentinel.ranktotals import RankTotals
@@ -835,7 +835,12 @@ class Correlator:
     ``flow_window_s`` is how far back flow samples count for the pair figures.
     """
 
-    def __init__(self, flow_window_s: float = 3.0, limits: StateLimits | None = None) -> None:
+    def __init__(
+        self,
+        flow_window_s: float = 3.0,
+        limits: StateLimits | None = None,
+        store: type[PairStore] = DequeStore,
+    ) -> None:
         self.flow_window_s = flow_window_s
         self.limits = limits or StateLimits()
         #: What the caps and time-to-live dropped or folded, by kind (EVICTION_KINDS).
@@ -846,8 +851,9 @@ class Correlator:
         self.flow_dt: float | None = None  # the probes' interval: the latest flow sample's dt
         self.ranks: dict[int, _Rank] = {}
         self.world_size: int | None = None
-        # Every directed pair's flow samples and totals (fsdp_sentinel.flowstore).
-        self.flows = FlowStore(flow_window_s, self.limits.max_pairs)
+        # Every directed pair's flow samples and totals (fsdp_sentinel.flowstore):
+        # a deque a pair (a daemon's few); a leader's thousands, one table.
+        self.flows: PairStore = store(flow_window_s, self.limits.max_pairs)
         self._pid_rank: dict[tuple[str, int], int] = {}
         self._pid_only: dict[int, int | None] = {}  # pid -> rank, None when ambiguous
         self._addr_rank: dict[str, int | None] = {}  # ip -> rank, None when shared
@@ -864,7 +870,7 @@ class Correlator:
         self._self_closed: dict[int, float] = {}
         self._reset_by: dict[int, set[int]] = {}  # rank -> peers whose connection it reset
         self._peers: dict[int, set[int]] = {}
-        self._matrix: FlowMatrix | tuple[()] | None = None  # flow_matrix's last answer
+        self._matrix: Sequence[PairFlow] | None = None  # flow_matrix's last answer
         self._matrix_oldest = math.inf  # its oldest sample's time
         # Flow samples whose interval began before this are no evidence (a new
         # attempt's warm-up: ``drop_flows_before``); -inf: every sample counts.
@@ -1394,7 +1400,7 @@ class Correlator:
     ) -> None:
         """File flow samples as :meth:`add_flow` files their records, in order:
         sample ``i`` is row ``first + i`` of ``source`` (the columns
-        :meth:`FlowStore.add_rows` takes), ``keys[i]`` its ``(host, pid, src,
+        :meth:`PairStore.add_rows` takes), ``keys[i]`` its ``(host, pid, src,
         dst)``, ``times[i]`` and ``dts[i]`` its time and interval; no rank or
         peer named.
 
@@ -1975,9 +1981,10 @@ class Correlator:
         self._matrix = None
 
     def flow_matrix(self, now: float) -> Sequence[PairFlow]:
-        """Each directed pair's figures over the latest ``flow_window_s`` seconds
-        (:class:`~fsdp_sentinel.flowstore.FlowMatrix`, by key; ``()`` when no
-        pair has a sample)."""
+        """Each directed pair's figures over the latest ``flow_window_s`` seconds, by
+        key: a tuple of ``PairFlow``, or a leader's
+        :class:`~fsdp_sentinel.flowstore.FlowMatrix`; ``()`` when no pair has a
+        sample."""
         horizon = now - self.flow_window_s
         # Steps come faster than flow samples: while no sample arrived and none
         # aged out, the matrix is the one already built (the very same object,

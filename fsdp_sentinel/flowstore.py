@@ -1,7 +1,7 @@
 """Every directed pair's flow samples in one table, its totals in arrays (pure).
 
 The correlator attributes each flow sample to a directed pair of ranks
-(``rank -> peer``) and files it here (:class:`FlowStore`); the flow matrix
+(``rank -> peer``) and files it here (:class:`TableStore`); the flow matrix
 (:class:`FlowMatrix`: each pair's figures over the latest window) is read
 from here once a step.
 
@@ -14,8 +14,8 @@ table (its pair's slot and its filing number, ``seq``, with it), a pair's
 totals a slot of a few arrays, and the matrix sums by segment; a pair's
 ``PairFlow`` is made only when a rule iterates the matrix.
 
-Samples come one at a time (a daemon's records: :meth:`FlowStore.add`) or as
-rows of a round's columns (a leader's: :meth:`FlowStore.add_rows`); both
+Samples come one at a time (a daemon's records: :meth:`TableStore.add`) or as
+rows of a round's columns (a leader's: :meth:`TableStore.add_rows`); both
 wait in a pending list and are folded into the table, in filing order, when
 anything reads it. What a pair keeps is exactly what the deque a pair kept
 (the tests compare): a pair's live samples are its rows from its ``front``
@@ -29,6 +29,8 @@ on, and only the front moves, as ``popleft`` did:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -76,7 +78,7 @@ class PairFlow(NamedTuple):
 
 class PairState(NamedTuple):
     """One pair's totals and live samples at the moment it was read
-    (:attr:`FlowStore.pairs`): a copy, not a handle on the store."""
+    (:attr:`TableStore.pairs`): a copy, not a handle on the store."""
 
     key: tuple[int, int]
     tx_total: int
@@ -132,6 +134,249 @@ def _read(value: float, kind: int) -> Any:
     return None if kind == ABSENT else (int(value) if kind == INT else value)
 
 
+class PairStore(ABC):
+    """Where the correlator files each directed pair's flow samples; a pair is a
+    ``slot`` (an int), made by :meth:`make` and kept in :attr:`slots`.
+
+    Two kinds, one behaviour (``tests/test_flowstore.py`` holds them to each
+    other): :class:`DequeStore`, a deque of tuples a pair (a daemon's: a few
+    pairs, a matrix a step, no array set up for it), and :class:`TableStore`,
+    one table (a leader's: 16k pairs a window).
+    """
+
+    def __init__(self, window_s: float, max_pairs: int) -> None:
+        self.window_s = window_s
+        self.max_pairs = max_pairs
+        self.slots: dict[tuple[int, int], int] = {}  # (rank, peer) -> slot, in making order
+        self.filed = 0  # samples filed
+
+    @abstractmethod
+    def make(self, key: tuple[int, int]) -> int | None:
+        """A new pair's slot (None when there is no room)."""
+
+    @abstractmethod
+    def key_of(self, slot: int) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def add(self, slot: int, src: str, sample: FlowSample) -> None:
+        """File one sample into ``slot`` (from local endpoint ``src``); TypeError or
+        ValueError, before anything is filed, for a figure it cannot keep
+        (:func:`number_kind`, counts beyond 64 bits)."""
+
+    @abstractmethod
+    def add_rows(
+        self, source: Mapping[str, np.ndarray], rows: Sequence[int], slots: Sequence[int]
+    ) -> None:
+        """File rows ``rows`` of ``source`` (columns named as :data:`_SAMPLE`, and
+        ``src``: each row's local endpoint, an object array; srtt and cwnd as
+        :func:`number_kind` gives them) into ``slots``, in order."""
+
+    @abstractmethod
+    def matrix(self, horizon: float, floor: float) -> tuple[Sequence[PairFlow], float]:
+        """Each pair's figures (by key) over the samples from ``horizon`` on that
+        began at ``floor`` or later (those before leave the pair's front for
+        good); and the oldest of the pairs' first samples' times."""
+
+    @abstractmethod
+    def sweep(self, horizon: float) -> list[tuple[int, tuple[int, int]]]:
+        """Forget the pairs with no sample since ``horizon``: their slots and keys."""
+
+    @abstractmethod
+    def state(self, key: tuple[int, int]) -> PairState: ...
+
+    @abstractmethod
+    def stall_figures(
+        self, since: float
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """What ``Correlator.stall`` reads of the flows: per pair (by key), the
+        retransmits of its live samples wholly after ``since``; then, when any,
+        the bytes each read in samples begun after ``since`` and half over once
+        the first resending sample ended."""
+
+    @property
+    def pairs(self) -> PairMap:
+        """Every pair's :class:`PairState`, by key (read when looked up)."""
+        return PairMap(self)
+
+
+def _checked(sample: FlowSample) -> tuple[float, int, float, int]:
+    """A sample's srtt and cwnd as :func:`number_kind` gives them; ValueError for a
+    count beyond 64 bits."""
+    _t, _dt, tx, rx, srtt, retrans, cwnd, dsack = sample
+    if not (-_I64 <= tx < _I64 and -_I64 <= rx < _I64 and -_I64 <= retrans < _I64
+            and -_I64 <= dsack < _I64):  # fmt: skip
+        raise ValueError("a flow's count is out of range")
+    return (*number_kind(srtt, "srtt"), *number_kind(cwnd, "cwnd"))
+
+
+class _Pair:
+    """A :class:`DequeStore` pair: its live samples and totals."""
+
+    __slots__ = ("key", "samples", "tx_total", "rx_total", "retrans_total", "dsack_total",
+                 "srtt_us", "tx_rate", "rx_rate", "last_t", "loopback")  # fmt: skip
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key
+        self.samples: deque[FlowSample] = deque()
+        self.tx_total = self.rx_total = self.retrans_total = self.dsack_total = 0
+        self.srtt_us: float | None = None
+        self.tx_rate: float | None = None
+        self.rx_rate: float | None = None
+        self.last_t = 0.0  # its newest sample's time (the sweep's time-to-live)
+        self.loopback = True  # until a sample from a routable address comes
+
+
+class DequeStore(PairStore):
+    """A deque of sample tuples a pair, a Python loop a pair for the matrix: for a
+    daemon's few pairs, where setting arrays up would cost more than it saves.
+    A pair's matrix figures are kept until its samples change."""
+
+    def __init__(self, window_s: float, max_pairs: int) -> None:
+        super().__init__(window_s, max_pairs)
+        self._pairs: list[_Pair | None] = []
+        self._free: list[int] = []
+        self._views: dict[int, PairFlow] = {}  # slot -> its figures, while its samples last
+        self._order: list[int] | None = None  # the slots by key; None when they change
+
+    def make(self, key: tuple[int, int]) -> int | None:
+        if len(self.slots) >= self.max_pairs:
+            return None
+        pair = _Pair(key)
+        if self._free:
+            slot = self._free.pop()
+            self._pairs[slot] = pair
+        else:
+            slot = len(self._pairs)
+            self._pairs.append(pair)
+        self.slots[key] = slot
+        self._order = None
+        return slot
+
+    def key_of(self, slot: int) -> tuple[int, int]:
+        return self._pairs[slot].key  # type: ignore[union-attr]
+
+    def add(self, slot: int, src: str, sample: FlowSample) -> None:
+        _checked(sample)
+        pair: _Pair = self._pairs[slot]  # type: ignore[assignment]
+        t, dt, tx, rx, srtt, retrans, _cwnd, dsack = sample
+        samples = pair.samples
+        samples.append(sample)
+        self.filed += 1
+        if t > pair.last_t:
+            pair.last_t = t
+        self._views.pop(slot, None)
+        # Keep memory flat when no step ever completes (probes, no trainer).
+        while samples[0][0] < t - 2 * self.window_s:
+            samples.popleft()
+        pair.tx_total += tx
+        pair.rx_total += rx
+        pair.retrans_total += retrans
+        pair.dsack_total += dsack
+        if pair.loopback and not loopback_endpoint(src):
+            pair.loopback = False
+        if srtt is not None:
+            pair.srtt_us = float(srtt)
+        if dt > 0:
+            pair.tx_rate = tx / dt
+            pair.rx_rate = rx / dt
+
+    def add_rows(
+        self, source: Mapping[str, np.ndarray], rows: Sequence[int], slots: Sequence[int]
+    ) -> None:
+        take = np.asarray(rows, np.int64)
+        cols = {name: source[name][take] for name in _SAMPLE}
+        for slot, sample, src in zip(slots, sample_tuples(cols), source["src"][take].tolist(),
+                                     strict=True):  # fmt: skip
+            self.add(slot, src, sample)
+
+    def _by_key(self) -> list[int]:
+        if self._order is None:
+            self._order = [self.slots[k] for k in sorted(self.slots)]
+        return self._order
+
+    def matrix(self, horizon: float, floor: float) -> tuple[tuple[PairFlow, ...], float]:
+        out: list[PairFlow] = []
+        oldest = math.inf
+        views = self._views
+        for slot in self._by_key():
+            pair: _Pair = self._pairs[slot]  # type: ignore[assignment]
+            samples = pair.samples
+            while samples and (samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor):
+                samples.popleft()
+                views.pop(slot, None)
+            if not samples:
+                continue
+            if samples[0][0] < oldest:
+                oldest = samples[0][0]
+            # Pairs report about once a second, steps come faster: the same
+            # samples give the same figures, so reuse them until they change.
+            view = views.get(slot)
+            if view is None:
+                tx = rx = retrans = dsack = wbytes = 0
+                dt = wsum = 0.0
+                for _t, sdt, stx, srx, srtt, sre, _cwnd, sdup in samples:
+                    tx += stx
+                    rx += srx
+                    dt += sdt
+                    retrans += sre
+                    dsack += sdup
+                    if srtt is not None:
+                        w = stx if stx > 0 else 1
+                        wsum += srtt * w
+                        wbytes += w
+                key = pair.key
+                view = views[slot] = tuple.__new__(
+                    PairFlow,
+                    (key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans,
+                     tuple(samples), pair.loopback, dsack),
+                )  # fmt: skip
+            out.append(view)
+        return tuple(out), oldest
+
+    def sweep(self, horizon: float) -> list[tuple[int, tuple[int, int]]]:
+        stale = [(s, k) for k, s in self.slots.items() if self._pairs[s].last_t < horizon]  # type: ignore[union-attr]
+        for slot, key in stale:
+            del self.slots[key]
+            self._pairs[slot] = None
+            self._views.pop(slot, None)
+            self._free.append(slot)
+        if stale:
+            self._order = None
+        return stale
+
+    def state(self, key: tuple[int, int]) -> PairState:
+        p: _Pair = self._pairs[self.slots[key]]  # type: ignore[assignment]
+        return PairState(
+            key, p.tx_total, p.rx_total, p.retrans_total, p.dsack_total, p.srtt_us, p.tx_rate,
+            p.rx_rate, p.last_t, p.loopback, tuple(p.samples),
+        )  # fmt: skip
+
+    def stall_figures(
+        self, since: float
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        pairs: list[_Pair] = [self._pairs[s] for s in self._by_key()]  # type: ignore[misc]
+        retrans: list[tuple[int, int, int]] = []
+        delivered: list[tuple[int, int, int]] = []
+        resent = math.inf  # when the first resending sample inside it ended
+        for pair in pairs:
+            n = 0
+            for x in pair.samples:
+                if x[5] and x[0] - x[1] >= since:
+                    n += x[5]
+                    if x[0] < resent:
+                        resent = x[0]
+            if n:
+                retrans.append((*pair.key, n))
+        if retrans:
+            for pair in pairs:
+                got: int = sum(
+                    x[3] for x in pair.samples if x[0] - x[1] >= since and x[0] - x[1] / 2 >= resent
+                )
+                if got:
+                    delivered.append((*pair.key, got))
+        return retrans, delivered
+
+
 class _Table:
     """Columns of rows with room to grow (appended in blocks, compacted in place)."""
 
@@ -164,8 +409,9 @@ class _Table:
         self.n = k
 
 
-class FlowStore:
-    """Every pair's samples and totals; a pair is a ``slot`` of the arrays.
+class TableStore(PairStore):
+    """Every pair's samples as rows of one table, its totals a slot of arrays:
+    for a leader's thousands of pairs (see the module's docstring).
 
     ``window_s`` is the matrix's window (samples are kept twice as long while
     no matrix is read); ``max_pairs`` how many pairs there is room for.
@@ -175,9 +421,7 @@ class FlowStore:
     compact_rows = 4096
 
     def __init__(self, window_s: float, max_pairs: int) -> None:
-        self.window_s = window_s
-        self.max_pairs = max_pairs
-        self.slots: dict[tuple[int, int], int] = {}  # (rank, peer) -> slot, in making order
+        super().__init__(window_s, max_pairs)  # filed: the next sample's seq
         self._free: list[int] = []
         self._n_slots = 0
         # Per slot: its key, totals, newest figures (NaN: none), newest time,
@@ -192,7 +436,6 @@ class FlowStore:
         self._cap = 0
         self._grow(64)
         self._table = _Table()
-        self.filed = 0  # samples filed: the next one's seq
         # Not yet in the table, in filing order: runs of (source, rows,
         # slots); a ``None`` source is a run of single samples (rows: tuples).
         self._pending: list[tuple[Any, list[Any], list[int]]] = []
@@ -214,7 +457,6 @@ class FlowStore:
         self._cap = cap
 
     def make(self, key: tuple[int, int]) -> int | None:
-        """A new pair's slot (None when there is no room)."""
         if len(self.slots) >= self.max_pairs:
             return None
         if self._free:
@@ -242,13 +484,8 @@ class FlowStore:
     # ------------------------------------------------------------ filing
 
     def add(self, slot: int, src: str, sample: FlowSample) -> None:
-        """File one sample (``sample``'s srtt and cwnd checked by :func:`number_kind`)."""
-        t, dt, tx, rx, srtt, retrans, cwnd, dsack = sample
-        if not (-_I64 <= tx < _I64 and -_I64 <= rx < _I64 and -_I64 <= retrans < _I64
-                and -_I64 <= dsack < _I64):  # fmt: skip
-            raise ValueError("a flow's count is out of range")
-        sv, sk = number_kind(srtt, "srtt")
-        cv, ck = number_kind(cwnd, "cwnd")
+        t, dt, tx, rx, _srtt, retrans, _cwnd, dsack = sample
+        sv, sk, cv, ck = _checked(sample)
         row = (t, dt, tx, rx, sv, sk, retrans, cv, ck, dsack, src)
         pending = self._pending
         if pending and pending[-1][0] is None:
@@ -261,9 +498,6 @@ class FlowStore:
     def add_rows(
         self, source: Mapping[str, np.ndarray], rows: Sequence[int], slots: Sequence[int]
     ) -> None:
-        """File rows ``rows`` of ``source`` (columns named as :data:`_SAMPLE`, and
-        ``src``: each row's local endpoint, an object array; srtt
-        and cwnd as :func:`number_kind` gives them) into ``slots``, in order."""
         pending = self._pending
         if pending and pending[-1][0] is source:
             pending[-1][1].extend(rows)
@@ -470,18 +704,9 @@ class FlowStore:
             float(self.last_t[slot]), bool(self.loopback[slot]), tuple(sample_tuples({n: tab.c[n][mine] for n in _SAMPLE})),
         )  # fmt: skip
 
-    @property
-    def pairs(self) -> PairMap:
-        """Every pair's :class:`PairState`, by key (read when looked up)."""
-        return PairMap(self)
-
     def stall_figures(
         self, since: float
     ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        """What :meth:`Correlator.stall` reads of the flows: per pair (by key), the
-        retransmits of its live samples wholly after ``since``; then, when any,
-        the bytes each read in samples begun after ``since`` and half over once
-        the first resending sample ended."""
         self._flush()
         tab = self._table
         idx, sl = self._live()
@@ -498,7 +723,7 @@ class FlowStore:
 
 
 def _per_pair(
-    store: FlowStore, slots: np.ndarray, values: np.ndarray
+    store: TableStore, slots: np.ndarray, values: np.ndarray
 ) -> list[tuple[int, int, int]]:
     """``values`` summed by slot, as (rank, peer, sum) by key, the zero sums left out."""
     if not len(slots):
@@ -525,9 +750,9 @@ def _opt(v: float) -> float | None:
 
 
 class PairMap(Mapping[tuple[int, int], PairState]):
-    """:attr:`FlowStore.pairs`: keys in making order, each value read on lookup."""
+    """:attr:`TableStore.pairs`: keys in making order, each value read on lookup."""
 
-    def __init__(self, store: FlowStore) -> None:
+    def __init__(self, store: PairStore) -> None:
         self._store = store
 
     def __getitem__(self, key: tuple[int, int]) -> PairState:
@@ -562,7 +787,7 @@ class FlowMatrix(Sequence[PairFlow]):
         self._flows: tuple[PairFlow, ...] | None = None
 
     @classmethod
-    def of(cls, store: FlowStore, idx: np.ndarray, sl: np.ndarray) -> FlowMatrix:
+    def of(cls, store: TableStore, idx: np.ndarray, sl: np.ndarray) -> FlowMatrix:
         """The matrix of table rows ``idx`` (grouped by slot in key order; ``sl``
         their slots)."""
         c = store._table.c

@@ -1,18 +1,19 @@
-"""The flow store (``fsdp_sentinel.flowstore``) against the deque a pair it replaced (pure).
+"""The two flow stores (``fsdp_sentinel.flowstore``) against each other (pure).
 
 Until session 28 each pair kept its samples in a deque, dropped from the
 front on filing (older than twice the window before the sample filed) and on
 every matrix (older than its horizon, or begun before the floor), with a
-Python loop a pair for the matrix. :class:`DequePairs` below is that code,
-kept as the oracle: random filings (one at a time and as rows, out of order,
-NaN times among them), matrices with a lagging clock, sweeps and stall reads
-must leave the store with the same samples, totals and figures, to the bit.
+Python loop a pair for the matrix: that code is :class:`DequeStore` (a
+daemon's). :class:`TableStore` (a leader's) keeps every sample as a row of
+one table and sums by segment. Random filings (one at a time and as rows,
+out of order, NaN times among them), matrices with a lagging clock, sweeps
+and stall reads must leave the two with the same samples, totals and
+figures, to the bit.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -20,110 +21,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fsdp_sentinel.flowstore import (
+    DequeStore,
     FlowMatrix,
-    FlowStore,
-    PairFlow,
-    loopback_endpoint,
+    PairStore,
+    TableStore,
     number_kind,
 )
 
 WINDOW = 2.0
-
-
-class _Pair:
-    def __init__(self) -> None:
-        self.samples: deque[tuple[Any, ...]] = deque()
-        self.tx_total = self.rx_total = self.retrans_total = self.dsack_total = 0
-        self.srtt_us: float | None = None
-        self.tx_rate: float | None = None
-        self.rx_rate: float | None = None
-        self.loopback = True
-        self.last_t = 0.0
-
-
-class DequePairs:
-    """The pre-session-28 pair state: a deque a pair (fb58aad's ``Correlator``)."""
-
-    def __init__(self) -> None:
-        self.pairs: dict[tuple[int, int], _Pair] = {}
-
-    def add(self, key: tuple[int, int], src: str, sample: tuple[Any, ...]) -> None:
-        pair = self.pairs.setdefault(key, _Pair())
-        t, dt, tx, rx, srtt, retrans, _cwnd, dsack = sample
-        samples = pair.samples
-        samples.append(sample)
-        if t > pair.last_t:
-            pair.last_t = t
-        while samples[0][0] < t - 2 * WINDOW:
-            samples.popleft()
-        pair.tx_total += tx
-        pair.rx_total += rx
-        pair.retrans_total += retrans
-        pair.dsack_total += dsack
-        if pair.loopback and not loopback_endpoint(src):
-            pair.loopback = False
-        if srtt is not None:
-            pair.srtt_us = float(srtt)
-        if dt > 0:
-            pair.tx_rate = tx / dt
-            pair.rx_rate = rx / dt
-
-    def matrix(self, horizon: float, floor: float) -> tuple[tuple[PairFlow, ...], float]:
-        out = []
-        oldest = math.inf
-        for key in sorted(self.pairs):
-            samples = self.pairs[key].samples
-            while samples and (samples[0][0] < horizon or samples[0][0] - samples[0][1] < floor):
-                samples.popleft()
-            if not samples:
-                continue
-            if samples[0][0] < oldest:
-                oldest = samples[0][0]
-            tx = rx = retrans = dsack = wbytes = 0
-            dt = wsum = 0.0
-            for _t, sdt, stx, srx, srtt, sre, _cwnd, sdup in samples:
-                tx += stx
-                rx += srx
-                dt += sdt
-                retrans += sre
-                dsack += sdup
-                if srtt is not None:
-                    w = stx if stx > 0 else 1
-                    wsum += srtt * w
-                    wbytes += w
-            out.append(
-                PairFlow(key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None,
-                         retrans, tuple(samples), self.pairs[key].loopback, dsack)
-            )  # fmt: skip
-        return tuple(out), oldest
-
-    def sweep(self, horizon: float) -> list[tuple[int, int]]:
-        stale = [k for k, p in self.pairs.items() if p.last_t < horizon]
-        for k in stale:
-            del self.pairs[k]
-        return stale
-
-    def stall(self, since: float) -> tuple[list[Any], list[Any]]:
-        retrans, delivered = [], []
-        resent = math.inf
-        pairs = sorted(self.pairs.items())
-        for key, pair in pairs:
-            n = 0
-            for x in pair.samples:
-                if x[5] and x[0] - x[1] >= since:
-                    n += x[5]
-                    if x[0] < resent:
-                        resent = x[0]
-            if n:
-                retrans.append((key[0], key[1], n))
-        if retrans:
-            for key, pair in pairs:
-                got = sum(
-                    x[3] for x in pair.samples if x[0] - x[1] >= since and x[0] - x[1] / 2 >= resent
-                )
-                if got:
-                    delivered.append((key[0], key[1], got))
-        return retrans, delivered
 
 
 def _state(pairs: Any) -> list[Any]:
@@ -168,7 +73,7 @@ _ops = st.lists(
 
 
 def _rows_source(samples: list[Any]) -> dict[str, np.ndarray]:
-    """Samples as the columns ``FlowStore.add_rows`` takes (as a leader's round)."""
+    """Samples as the columns ``TableStore.add_rows`` takes (as a leader's round)."""
     srtt = [number_kind(s[5], "srtt") for s in samples]
     cwnd = [number_kind(s[7], "cwnd") for s in samples]
     return {
@@ -200,48 +105,51 @@ _S = (1.0, 10, 0, None, 0, None, 0, "198.18.0.1:5")  # a sample's fields after i
 @example([("rows", [(0, 1.0, *_S), (0, 3.0, *_S), (0, 4.0, *_S)]), ("matrix", 4.0, -math.inf),
           ("add", (0, 8.5, *_S)), ("add", (0, 4.0, *_S)), ("add", (0, 9.0, *_S))],
          4096, False)  # fmt: skip
-def test_the_store_keeps_what_a_deque_a_pair_kept(
+def test_the_table_keeps_what_a_deque_a_pair_keeps(
     ops: list[Any], compact_rows: int, every_op: bool
 ) -> None:
     # ``every_op``: the state read (so the pending samples filed) after every
     # operation; else only at reads, so filings pile up between them.
-    ref, store = DequePairs(), FlowStore(WINDOW, max_pairs=64)
+    ref, store = DequeStore(WINDOW, max_pairs=64), TableStore(WINDOW, max_pairs=64)
     store.compact_rows = compact_rows  # 4: its dead rows dropped all along
 
-    def slot(key: tuple[int, int]) -> int:
+    def slot(store: PairStore, key: tuple[int, int]) -> int:
         got = store.slots.get(key)
         return got if got is not None else store.make(key)  # type: ignore[return-value]
 
     for op, *args in ops:
         if op in ("add", "rows"):
             batch = [args[0]] if op == "add" else args[0]
-            for k, *fig, src in batch:
-                ref.add(_KEYS[k], src, tuple(fig))
-            if op == "add":
+            if op == "add":  # the daemon's way into both
                 k, *fig, src = args[0]
-                store.add(slot(_KEYS[k]), src, tuple(fig))  # type: ignore[arg-type]
-            else:
+                for st_ in (ref, store):
+                    st_.add(slot(st_, _KEYS[k]), src, tuple(fig))  # type: ignore[arg-type]
+            else:  # the leader's way into both
                 source = _rows_source(batch)
-                store.add_rows(source, list(range(len(batch))), [slot(_KEYS[s[0]]) for s in batch])
+                for st_ in (ref, store):
+                    st_.add_rows(source, range(len(batch)), [slot(st_, _KEYS[b[0]]) for b in batch])
         elif op == "matrix":
             now, floor = args
             want, want_oldest = ref.matrix(now - WINDOW, floor)
             got, oldest = store.matrix(now - WINDOW, floor)
+            assert isinstance(want, tuple) and isinstance(got, FlowMatrix)
             if not any(math.isnan(x[0]) for p in want for x in p.samples):  # NaN != NaN
                 assert got == want  # FlowMatrix against the tuple
             assert repr(tuple(got)) == repr(want)  # to the bit, ints as ints
             assert repr(oldest) == repr(want_oldest)
         elif op == "sweep":
-            assert sorted(k for _s, k in store.sweep(args[0])) == sorted(ref.sweep(args[0]))
+            assert sorted(k for _s, k in store.sweep(args[0])) == sorted(
+                k for _s, k in ref.sweep(args[0])
+            )
         else:
-            assert store.stall_figures(args[0]) == ref.stall(args[0])
+            assert store.stall_figures(args[0]) == ref.stall_figures(args[0])
         if every_op or op not in ("add", "rows"):
             assert _state(store.pairs) == _state(ref.pairs)
     assert _state(store.pairs) == _state(ref.pairs)
 
 
 def _matrix_of(samples: list[tuple[Any, ...]]) -> FlowMatrix:
-    store = FlowStore(WINDOW, max_pairs=8)
+    store = TableStore(WINDOW, max_pairs=8)
     for key, sample in samples:
         s = store.slots.get(key)
         store.add(s if s is not None else store.make(key), "198.18.0.1:5", sample)  # type: ignore[arg-type]
@@ -272,7 +180,7 @@ def test_two_matrices_are_equal_as_their_flows_are() -> None:
 
 
 def test_a_count_a_float_cannot_carry_is_refused_before_filing() -> None:
-    store = FlowStore(WINDOW, max_pairs=8)
+    store = TableStore(WINDOW, max_pairs=8)
     s = store.make((0, 1))
     assert s is not None
     for bad in ((1.0, 1.0, 1 << 63, 0, None, 0, None, 0), (1.0, 1.0, 1, 0, "9", 0, None, 0),

@@ -223,7 +223,7 @@ def cwnd_values(rows: np.ndarray) -> list[Any]:
 
 def sample_columns(rows: np.ndarray, strings: np.ndarray) -> dict[str, np.ndarray]:
     """``rows`` (of a round's ``strings``) as the columns the correlator's flow
-    store files (``flowstore.FlowStore.add_rows``): absent retransmits and
+    store files (``flowstore.PairStore.add_rows``): absent retransmits and
     D-SACKs 0, an absent srtt or cwnd of kind ``ABSENT``."""
     form = rows["form"]
     srtt_kind = np.where(

@@ -50,6 +50,7 @@ from fsdp_sentinel.correlate import (
 )
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.fabric import FabricTotals
+from fsdp_sentinel.flowstore import TableStore
 from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.rankstep import StepRanks, none_if_nan
 from fsdp_sentinel.trace import record_time
@@ -77,7 +78,8 @@ class LeaderCorrelator(Correlator):
     """
 
     def __init__(self, flow_window_s: float = 3.0, limits: StateLimits | None = None) -> None:
-        super().__init__(flow_window_s, limits=limits or LEADER_LIMITS)
+        # A sample a rank every probe interval: filed as rows of one table.
+        super().__init__(flow_window_s, limits=limits or LEADER_LIMITS, store=TableStore)
         self.digests: dict[int, list[StepDigest]] = {}
         self.step_filed: dict[int, set[int]] = {}  # step -> ranks whose step record is filed
         self.top_seq: dict[int, int] = {}
