@@ -1337,37 +1337,29 @@ class Correlator:
     def heard_host(self, rec: Record) -> None:
         """A host's own probe record (``netdev``, ``flow``) arrived: note when.
 
-        Per probe record, so kept to two lookups; a time that is not a number
-        raises TypeError here (the record counts as malformed).
+        Per probe record, so kept to a few lookups; a time that is not a
+        number raises TypeError here (the record counts as malformed).
         """
-        t = rec[_T]
-        h = self.hosts_heard.get(rec[_HOST])
+        self.heard_host_at(rec[_HOST], rec[_T], rec[_DT])
+
+    def heard_host_at(self, host: Any, t: Any, dt: Any) -> None:
+        """:meth:`heard_host` of a record's ``host``, ``t`` and ``dt``."""
+        heard = self.hosts_heard
+        h = heard.get(host)
         if h is None:
-            if len(self.hosts_heard) >= self.limits.max_hosts:
+            if len(heard) >= self.limits.max_hosts:
                 float(t)  # a bad time is still malformed, not an eviction
                 self.evicted["host"] += 1
                 return
-            self.hosts_heard[str(rec[_HOST])] = [float(t), float(rec[_DT])]
+            heard[str(host)] = [float(t), float(dt)]
         elif t > h[0]:
             h[0] = t
-            h[1] = rec[_DT]
+            h[1] = dt
 
     @property
     def pairs(self) -> PairMap:
         """Every directed pair's totals and live samples, by ``(rank, peer)``."""
         return self.flows.pairs
-
-    def _heard(self, host: str, t: float, dt: float) -> None:
-        """:meth:`heard_host` of a flow row (``t`` and ``dt`` floats already)."""
-        h = self.hosts_heard.get(host)
-        if h is None:
-            if len(self.hosts_heard) >= self.limits.max_hosts:
-                self.evicted["host"] += 1
-            else:
-                self.hosts_heard[host] = [t, dt]
-        elif t > h[0]:
-            h[0] = t
-            h[1] = dt
 
     def add_flow(self, rec: Record) -> tuple[int, int] | None:
         """File one flow sample; return the ``(rank, peer)`` it was attributed to, or None."""
@@ -1408,7 +1400,7 @@ class Correlator:
         second (``cluster.flowrows``): made from a round's columns, they are
         filed without a record, a dict or a conversion each.
         """
-        heard = self._heard
+        heard = self.heard_host_at
         slots: list[Any] = list(map(self._flow_slot.get, keys))
         rows: Sequence[int] = range(first, first + len(slots))
         if None in slots:

@@ -352,3 +352,73 @@ def test_a_window_kept_back_for_the_store_keeps_its_flows() -> None:
     assert got == [_without_snd_wnd(r) for r in first + second]
     assert _joined(window(0, first), window(1, [])).flows == window(0, first).flows
     assert _joined(window(0, []), window(1, second)).flows == window(1, second).flows
+
+
+# ------------------------------------------------ the leader: a round's rows held as one run
+
+
+def _ticks_seen(det: LeaderDetector) -> list[Any]:
+    """Each tick and step summary of ``det``'s pipeline, with the flow state it
+    met: when, samples filed, flows not attributed, the hosts heard."""
+    seen: list[Any] = []
+    p, c = det.pipeline, det.pipeline.corr
+
+    def log(name: str, fn: Any) -> Any:
+        def run(*a: Any) -> Any:
+            seen.append((name, p.now, c.flows.filed, c.unattributed_flows,
+                         sorted(c.hosts_heard.items())))  # fmt: skip
+            return fn(*a)
+
+        return run
+
+    p._advance = log("tick", p._advance)  # type: ignore[method-assign]
+    p._on_step = log("step", p._on_step)  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_held_rows_meet_every_tick_and_step_as_records_do(seed: int) -> None:
+    # A round's rows are held and filed as one run while the items between
+    # them are quiet (LeaderPipeline.quiet): every tick and step summary must
+    # still find the flow state the records, fed in turn, leave it.
+    rng = random.Random(seed)
+    recs = _slow_link_job(seed)
+    flows = [r for r in recs if r.get("kind") == "flow"]
+    strangers = [{**r, "pid": 999_999, "src": "198.19.9.9:1", "dst": "198.19.9.8:2"}
+                 for r in rng.sample(flows, k=10)]  # fmt: skip
+    mixed = sorted(recs + strangers, key=trace.record_time)
+    for interval_s in (0.25, 1.0, 3.0):
+        rows, records = LeaderDetector(), RecordsLeader()
+        a, b = _ticks_seen(rows), _ticks_seen(records)
+        assert run_split(mixed, interval_s, leader=rows) == run_split(
+            mixed, interval_s, leader=records, wire=False
+        )
+        assert a == b and len(a) > 20
+        assert _state(rows) == _state(records)
+
+
+def _window(node: str, t: float, heard: tuple[Any, ...], flows: list[Record] = (),  # type: ignore[assignment]
+            records: tuple[Record, ...] = ()) -> CS.Window:  # fmt: skip
+    b = FlowRowsBuilder()
+    for rec in flows:
+        b.add(rec)
+    return CS.Window(node, 1, t, records, (), (), heard, b.take())
+
+
+def test_a_heard_host_after_its_held_rows_is_noted_after_them() -> None:
+    # Node n0's rows of host h0 (t 5.0, dt 1.0), then node n1's word that
+    # h0 was heard at the same time with another interval: fed in turn, the
+    # rows note h0 first and the tie keeps their interval. A held run must
+    # not let the heard entry go first.
+    ranks = tuple({"kind": "rank", "t": 4.9, "rank": r, "world_size": 2, "host": f"h{r}",
+                   "pid": 4000 + r, "addrs": [f"198.18.0.{r}"]} for r in range(2))  # fmt: skip
+    flow = {"kind": "flow", "t": 5.0, "dt": 1.0, "host": "h0", "pid": 4000,
+            "src": "198.18.0.0:40000", "dst": "198.18.0.1:29500", "tx_bytes": 10,
+            "rx_bytes": 0}  # fmt: skip
+    said = []
+    for det in (LeaderDetector(), RecordsLeader()):
+        det.ingest([_window("n0", 4.9, (("h0", 4.9, 1.0), ("h1", 4.9, 1.0)), records=ranks)])
+        assert det.pipeline._next_tick > 5.0  # the round's rows come before a tick
+        det.ingest([_window("n0", 5.5, (), [flow]), _window("n1", 5.5, (("h0", 5.0, 2.0),))])
+        said.append(det.pipeline.corr.hosts_heard["h0"])
+    assert said[0] == said[1] == [5.0, 1.0]

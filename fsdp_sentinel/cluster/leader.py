@@ -25,7 +25,7 @@ import gc
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -315,6 +315,53 @@ class LeaderPipeline(Pipeline):
         totals["clock"] = totals.get("clock", 0) + 1
         return self._clock_to(t)
 
+    def heard(self, item: Heard) -> list[Record]:
+        """``feed`` of the netdev record of no device that says a node heard its
+        host's probes (``item``), without the record (one per node per probe
+        interval: 2,048 a round at 16k ranks)."""
+        t = item.t
+        if not t <= self._horizon:  # the guard's (or NaN): as the record
+            return list(self.feed(item.record()))
+        totals = self._totals
+        totals["netdev"] = totals.get("netdev", 0) + 1
+        try:
+            self.corr.heard_host_at(item.host, t, item.dt)
+            return self._clock_to(t)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            self._malformed += 1
+            return []
+
+    def quiet(self, item: Any, hosts: set[str]) -> bool:
+        """Does handling time-line ``item`` leave the flow state alone, so the flow
+        rows before it may be filed after it as they would have been before
+        (``_ingest``'s runs)? A clock, progress point or heard host that
+        neither ticks (a tick reads the flows), nor notes one of ``hosts``
+        (the held rows' hosts: a tie's interval would change), nor meets the
+        guard, nor makes a rank or a heard host (the last three matter only
+        through the guard's bookkeeping and at the state's caps: kept out to
+        be sure). ``tests/test_flowrows.py`` holds a round's held rows to
+        its records fed in turn, at every tick and step summary."""
+        kind = type(item)
+        if kind is float:
+            t = item
+        elif kind is tuple:
+            t = item[0]
+            if item[1] not in self.corr.ranks:
+                return False
+        elif kind is Heard:
+            t = item.t
+            if item.host in hosts or item.host not in self.corr.hosts_heard:
+                return False
+        else:
+            return False
+        return t <= self._horizon and not (t >= self._next_tick and t > self.now)
+
+    def can_hold(self, line: FlowLine, k: int, end: int) -> bool:
+        """Would rows ``k .. end - 1`` be filed as one run (:meth:`file_flow_rows`)
+        now: within the guard's horizon, before the next tick, no observer?"""
+        t = line.t[end - 1]  # the newest: the line is in time order
+        return self.observer is None and t <= self._horizon and t < self._next_tick
+
     def file_flow_rows(self, line: FlowLine, k: int, end: int) -> list[Record]:
         """File rows ``k .. end - 1`` of a round's flow line as ``feed`` would file
         their records, in turn; the verdict records that caused.
@@ -446,10 +493,7 @@ class LeaderDetector:
             for host, t, dt in w.heard:
                 hosts.add(host)
                 # A netdev record of no device: the host's probes were heard.
-                recs.append(
-                    {"kind": "netdev", "t": t, "dt": dt, "host": host, "dev": "",
-                     "tx_bytes": 0, "rx_bytes": 0}
-                )  # fmt: skip
+                recs.append(Heard(t, host, dt))
             for rec in w.records:
                 if rec.get("kind") == "rank":
                     ranks.add(rec["rank"])
@@ -468,17 +512,36 @@ class LeaderDetector:
         line = FlowLine(flows) if len(flows) else None
         due = line.due(times[ranked], ranked, np.array(flows_at)) if line else []
         k = 0
+        # Rows held to be filed as one run (hold .. k - 1): while the items
+        # between are quiet (LeaderPipeline.quiet), filing them later files
+        # them as they would have been filed before; a round's rows come a
+        # node's few at a time between its heard entries.
+        hold = 0
+        held_hosts: set[str] = set()
         said: Sequence[Record]
+        heard, quiet = pipe.heard, pipe.quiet
         while i < n:
             if line is not None and due[i] > k:
-                out.extend(pipe.file_flow_rows(line, k, due[i]))
+                if pipe.can_hold(line, k, due[i]):
+                    held_hosts.update(line.hosts[k : due[i]])
+                else:
+                    if hold < k:
+                        out.extend(pipe.file_flow_rows(line, hold, k))
+                    out.extend(pipe.file_flow_rows(line, k, due[i]))
+                    hold = due[i]
                 k = due[i]
             rec = recs[i]
+            if hold < k and not quiet(rec, held_hosts):
+                out.extend(pipe.file_flow_rows(line, hold, k))  # type: ignore[arg-type]
+                hold = k
+                held_hosts.clear()
             kind = type(rec)
             if kind is float:
                 said = clock(rec)
             elif kind is tuple:
                 said = progress(*rec)
+            elif kind is Heard:
+                said = heard(rec)
             else:
                 if rec.get("kind") == "flow":  # a round's flows come together: a run
                     j = file_flows(recs, i)
@@ -489,14 +552,27 @@ class LeaderDetector:
             if said:
                 out.extend(said)
             i += 1
-        if line is not None and k < len(line):
-            out.extend(pipe.file_flow_rows(line, k, len(line)))
+        if line is not None and hold < len(line):
+            out.extend(pipe.file_flow_rows(line, hold, len(line)))
         for v in out:
             ev = v.get("evidence")
             if not isinstance(ev, dict):
                 ev = v["evidence"] = {}
             ev["view"] = "cluster"
         return out
+
+
+class Heard(NamedTuple):
+    """A node heard its host's probes (a window's ``heard`` entry) at ``t``: on
+    the leader's time line, it is fed as a netdev record of no device."""
+
+    t: float
+    host: str
+    dt: float
+
+    def record(self) -> Record:
+        return {"kind": "netdev", "t": self.t, "dt": self.dt, "host": self.host, "dev": "",
+                "tx_bytes": 0, "rx_bytes": 0}  # fmt: skip
 
 
 class FlowLine:
@@ -525,6 +601,7 @@ class FlowLine:
                 s[got["dst"]].tolist(), strict=True)
         )  # fmt: skip
         self.dt: list[float] = got["dt"].tolist()
+        self.hosts: list[str] = [key[0] for key in self.keys]
         self.cols = sample_columns(got, table.strings)
 
     def __len__(self) -> int:
@@ -583,13 +660,13 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
         return summary_decode_round(blobs)
 
 
-def _when(item: Record | tuple[float, int, int, int] | float) -> float:
-    """Where a window's record, progress point ``(t, rank, step, seq)`` or clock
-    goes on the time line."""
+def _when(item: Record | tuple[float, int, int, int] | Heard | float) -> float:
+    """Where a window's record, progress point ``(t, rank, step, seq)``, heard
+    host or clock goes on the time line."""
     kind = type(item)
     if kind is float:
         return item  # type: ignore[return-value]
-    return item[0] if kind is tuple else _time(item)  # type: ignore[index,arg-type]
+    return item[0] if kind is tuple or kind is Heard else _time(item)  # type: ignore[index,arg-type]
 
 
 def _time(rec: Record) -> float:
