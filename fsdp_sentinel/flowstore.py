@@ -182,7 +182,9 @@ class PairStore(ABC):
         """Forget the pairs with no sample since ``horizon``: their slots and keys."""
 
     @abstractmethod
-    def state(self, key: tuple[int, int]) -> PairState: ...
+    def states(self) -> dict[tuple[int, int], PairState]:
+        """Every pair's :class:`PairState`, in making order (all at once: a
+        table's live samples are grouped in one pass)."""
 
     @abstractmethod
     def stall_figures(
@@ -344,12 +346,15 @@ class DequeStore(PairStore):
             self._order = None
         return stale
 
-    def state(self, key: tuple[int, int]) -> PairState:
-        p: _Pair = self._pairs[self.slots[key]]  # type: ignore[assignment]
-        return PairState(
-            key, p.tx_total, p.rx_total, p.retrans_total, p.dsack_total, p.srtt_us, p.tx_rate,
-            p.rx_rate, p.last_t, p.loopback, tuple(p.samples),
-        )  # fmt: skip
+    def states(self) -> dict[tuple[int, int], PairState]:
+        out = {}
+        for key, slot in self.slots.items():
+            p: _Pair = self._pairs[slot]  # type: ignore[assignment]
+            out[key] = PairState(
+                key, p.tx_total, p.rx_total, p.retrans_total, p.dsack_total, p.srtt_us,
+                p.tx_rate, p.rx_rate, p.last_t, p.loopback, tuple(p.samples),
+            )  # fmt: skip
+        return out
 
     def stall_figures(
         self, since: float
@@ -692,17 +697,23 @@ class TableStore(PairStore):
             self._order = None
         return stale
 
-    def state(self, key: tuple[int, int]) -> PairState:
+    def states(self) -> dict[tuple[int, int], PairState]:
         self._flush()
-        slot = self.slots[key]
-        tab = self._table
-        mine = np.flatnonzero((tab.col("slot") == slot) & (tab.col("seq") >= self.front[slot]))
-        return PairState(
-            key, int(self.tx_total[slot]), int(self.rx_total[slot]),
-            int(self.retrans_total[slot]), int(self.dsack_total[slot]),
-            _opt(self.srtt_us[slot]), _opt(self.tx_rate[slot]), _opt(self.rx_rate[slot]),
-            float(self.last_t[slot]), bool(self.loopback[slot]), tuple(sample_tuples({n: tab.c[n][mine] for n in _SAMPLE})),
-        )  # fmt: skip
+        idx, sl = self._live()
+        samples = sample_tuples({n: self._table.c[n][idx] for n in _SAMPLE})
+        mine: dict[int, tuple[FlowSample, ...]] = {}
+        bounds = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1], True]).tolist() if len(sl) else []
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            mine[int(sl[a])] = tuple(samples[a:b])
+        out = {}
+        for key, slot in self.slots.items():
+            out[key] = PairState(
+                key, int(self.tx_total[slot]), int(self.rx_total[slot]),
+                int(self.retrans_total[slot]), int(self.dsack_total[slot]),
+                _opt(self.srtt_us[slot]), _opt(self.tx_rate[slot]), _opt(self.rx_rate[slot]),
+                float(self.last_t[slot]), bool(self.loopback[slot]), mine.get(slot, ()),
+            )  # fmt: skip
+        return out
 
     def stall_figures(
         self, since: float
@@ -750,13 +761,17 @@ def _opt(v: float) -> float | None:
 
 
 class PairMap(Mapping[tuple[int, int], PairState]):
-    """:attr:`TableStore.pairs`: keys in making order, each value read on lookup."""
+    """:attr:`PairStore.pairs`: keys in making order; the values read, all of them,
+    at the first lookup (a snapshot of the store then)."""
 
     def __init__(self, store: PairStore) -> None:
         self._store = store
+        self._states: dict[tuple[int, int], PairState] | None = None
 
     def __getitem__(self, key: tuple[int, int]) -> PairState:
-        return self._store.state(key)
+        if self._states is None:
+            self._states = self._store.states()
+        return self._states[key]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter(list(self._store.slots))
