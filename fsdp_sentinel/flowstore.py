@@ -1,25 +1,28 @@
-"""Every directed pair's flow samples in one table, its totals in arrays (pure).
+"""Where the correlator files each directed pair's flow samples (pure).
 
 The correlator attributes each flow sample to a directed pair of ranks
-(``rank -> peer``) and files it here (:class:`TableStore`); the flow matrix
-(:class:`FlowMatrix`: each pair's figures over the latest window) is read
-from here once a step.
+(``rank -> peer``) and files it into a :class:`PairStore`; the flow matrix
+(each pair's figures over the latest window) is read from it once a step.
+Two kinds, one behaviour (``tests/test_flowstore.py`` holds them to each
+other, to the bit):
 
-Why columns: a big job's leader files a sample a rank every probe interval
-(16k a second at 16k ranks) and rebuilds the matrix as often. Kept as a
-deque of tuples a pair, with a Python loop a pair for the matrix and a
-``PairFlow`` a pair, one window in four cost the leader ~0.12 s instead of
-~30 ms (``bench/leader_scale``, session 26). Here a sample is a row of one
-table (its pair's slot and its filing number, ``seq``, with it), a pair's
-totals a slot of a few arrays, and the matrix sums by segment; a pair's
-``PairFlow`` is made only when a rule iterates the matrix.
+* :class:`DequeStore` (a daemon's): a deque of sample tuples a pair, a
+  Python loop a pair for the matrix (a tuple of ``PairFlow``). For a few
+  pairs, nothing is cheaper.
+* :class:`TableStore` (a leader's): a big job's leader files a sample a rank
+  every probe interval (16k a second at 16k ranks) and rebuilds the matrix
+  as often; kept as deques, one window in four cost it ~0.12 s instead of
+  ~30 ms (``bench/leader_scale``, session 26). Here a sample is a row of one
+  table (its pair's slot and its filing number, ``seq``, with it), a pair's
+  totals a slot of a few arrays, and the matrix sums by segment
+  (:class:`FlowMatrix`: a pair's ``PairFlow`` is made only when a rule
+  iterates it).
 
-Samples come one at a time (a daemon's records: :meth:`TableStore.add`) or as
-rows of a round's columns (a leader's: :meth:`TableStore.add_rows`); both
-wait in a pending list and are folded into the table, in filing order, when
-anything reads it. What a pair keeps is exactly what the deque a pair kept
-(the tests compare): a pair's live samples are its rows from its ``front``
-on, and only the front moves, as ``popleft`` did:
+A table's samples, one at a time (:meth:`TableStore.add`) or as rows of a
+round's columns (:meth:`TableStore.add_rows`), wait in a pending list and are
+folded in, in filing order, when anything reads the table. What a pair keeps
+is exactly what its deque keeps: its live samples are its rows from its
+``front`` on, and only the front moves, as ``popleft`` does:
 - on filing, past samples older than ``2 * window_s`` before the one filed
   (memory stays flat when no step ever completes);
 - on a matrix, past samples older than its horizon, or begun before the
