@@ -75,12 +75,6 @@ _FIELDS = itemgetter(*(KEY[f] for f in ("seq", "issue", "end", "op", "bytes")))
 # exactly this kind of per-step work). They are just as immutable.
 
 
-#: ``new_tuple(Cls, fields)``: a named tuple made from its fields' tuple in C,
-#: skipping the Python-level constructor each NamedTuple class has (for those
-#: made per pair here, per node in ``cluster.summary``).
-new_tuple = tuple.__new__
-
-
 class RankLiveness(NamedTuple):
     """When a rank was last heard from and what happened to its connections.
 

@@ -41,6 +41,11 @@ import numpy as np
 
 _LOOPBACK_PREFIXES = ("127.", "[::1]", "[::ffff:127.")
 
+#: ``new_tuple(Cls, fields)``: a named tuple made from its fields' tuple in C,
+#: skipping the Python-level constructor each NamedTuple class has (for those
+#: made per pair here, per node in ``cluster.summary``).
+new_tuple = tuple.__new__
+
 #: A flow sample as filed: (t, dt, tx, rx, srtt_us or None, retrans, cwnd or
 #: None, dsack_dups).
 FlowSample = tuple[float, float, int, int, Any, int, Any, int]
@@ -131,6 +136,16 @@ def number_kind(v: Any, what: str) -> tuple[float, int]:
     if isinstance(v, int) and -_EXACT <= v <= _EXACT:
         return float(v), INT
     raise TypeError(f"a flow's {what} is not a number")
+
+
+def _bounds(keys: np.ndarray) -> np.ndarray:
+    """Where each run of equal values in ``keys`` (grouped) begins, then ``len(keys)``:
+    run ``i`` is ``bounds[i] .. bounds[i + 1] - 1``."""
+    return (
+        np.flatnonzero(np.r_[True, keys[1:] != keys[:-1], True])
+        if len(keys)
+        else np.zeros(1, np.int64)
+    )
 
 
 def _read(value: float, kind: int) -> Any:
@@ -330,7 +345,7 @@ class DequeStore(PairStore):
                         wsum += srtt * w
                         wbytes += w
                 key = pair.key
-                view = views[slot] = tuple.__new__(
+                view = views[slot] = new_tuple(
                     PairFlow,
                     (key[0], key[1], tx, rx, dt, (wsum / wbytes) if wbytes else None, retrans,
                      tuple(samples), pair.loopback, dsack),
@@ -575,9 +590,9 @@ class TableStore(PairStore):
         two = 2 * self.window_s
         order = np.argsort(s, kind="stable")
         ss, ts, qs = s[order], t[order], seq[order]
-        starts = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
+        bounds = _bounds(ss)
+        starts, lengths = bounds[:-1], np.diff(bounds)
         seg_slot = ss[starts]
-        lengths = np.diff(np.r_[starts, len(ss)])
         # before the block: each slot's newest time; its first live sample's
         # time (the block's first, when the pair had none left)
         m0 = self.last_t[seg_slot].copy()
@@ -705,7 +720,7 @@ class TableStore(PairStore):
         idx, sl = self._live()
         samples = sample_tuples({n: self._table.c[n][idx] for n in _SAMPLE})
         mine: dict[int, tuple[FlowSample, ...]] = {}
-        bounds = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1], True]).tolist() if len(sl) else []
+        bounds = _bounds(sl).tolist()
         for a, b in zip(bounds, bounds[1:], strict=False):
             mine[int(sl[a])] = tuple(samples[a:b])
         out = {}
@@ -810,8 +825,8 @@ class FlowMatrix(Sequence[PairFlow]):
         their slots)."""
         c = store._table.c
         smp = {name: c[name][idx] for name in _SAMPLE}
-        starts = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1]]) if len(sl) else np.zeros(0, int)
-        bounds = np.r_[starts, len(sl)]
+        bounds = _bounds(sl)
+        starts = bounds[:-1]
         slots = sl[starts]
         n = len(starts)
 
@@ -853,9 +868,8 @@ class FlowMatrix(Sequence[PairFlow]):
             b = self.bounds.tolist()
             srtt = [v if h else None for v, h in zip(c["srtt_us"].tolist(), c["has_srtt"].tolist(),
                                                       strict=True)]  # fmt: skip
-            new = tuple.__new__
             self._flows = tuple(
-                new(PairFlow, (r, p, tx, rx, dt, s, re, tuple(samples[b[i]:b[i + 1]]), lo, dup))
+                new_tuple(PairFlow, (r, p, tx, rx, dt, s, re, tuple(samples[b[i]:b[i + 1]]), lo, dup))
                 for i, (r, p, tx, rx, dt, s, re, lo, dup) in enumerate(zip(
                     c["rank"].tolist(), c["peer"].tolist(), c["tx_bytes"].tolist(),
                     c["rx_bytes"].tolist(), c["dt"].tolist(), srtt, c["retrans"].tolist(),

@@ -527,6 +527,7 @@ class LeaderDetector:
                 else:
                     if hold < k:
                         out.extend(pipe.file_flow_rows(line, hold, k))
+                        held_hosts.clear()
                     out.extend(pipe.file_flow_rows(line, k, due[i]))
                     hold = due[i]
                 k = due[i]
@@ -596,12 +597,12 @@ class FlowLine:
         self._t = got["t"]  # in time order, as an array (due) and as floats
         self.t: list[float] = self._t.tolist()
         s = table.strings
+        self.hosts: list[str] = s[got["host"]].tolist()
         self.keys: list[FlowKey] = list(
-            zip(s[got["host"]].tolist(), got["pid"].tolist(), s[got["src"]].tolist(),
-                s[got["dst"]].tolist(), strict=True)
+            zip(self.hosts, got["pid"].tolist(), s[got["src"]].tolist(), s[got["dst"]].tolist(),
+                strict=True)
         )  # fmt: skip
         self.dt: list[float] = got["dt"].tolist()
-        self.hosts: list[str] = [key[0] for key in self.keys]
         self.cols = sample_columns(got, table.strings)
 
     def __len__(self) -> int:

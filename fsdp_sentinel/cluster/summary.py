@@ -50,7 +50,8 @@ import orjson
 
 from fsdp_sentinel import correlate
 from fsdp_sentinel.cluster.flowrows import NO_FLOWS, NO_TABLE, ROW, FlowRows, FlowTable, flow_table
-from fsdp_sentinel.correlate import RankStep, blocked_s, new_tuple, step_columns, top_seq
+from fsdp_sentinel.correlate import RankStep, blocked_s, step_columns, top_seq
+from fsdp_sentinel.flowstore import new_tuple
 from fsdp_sentinel.rankstep import StepRanks
 
 Record = dict[str, Any]
