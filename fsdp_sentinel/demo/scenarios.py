@@ -244,7 +244,7 @@ QUICK_RUNS: dict[str, list[str]] = {
         "--scenario", "noisy-neighbor", "--steps", "15", "--onset", "6", "--fault-steps", "6",
     ],
     "slow-compute": [
-        "--scenario", "slow-compute", "--steps", "15", "--onset", "6", "--fault-steps", "6",
+        "--scenario", "slow-compute", "--steps", "17", "--onset", "8", "--fault-steps", "6",
     ],
     "packet-loss": [
         "--scenario", "packet-loss", "--steps", "15", "--onset", "6", "--fault-steps", "6",
