@@ -1383,12 +1383,17 @@ class Correlator:
         dts: Sequence[float],
         source: Mapping[str, np.ndarray],
         first: int,
+        hosts: Sequence[tuple[str, float, float]] | None = None,
     ) -> None:
         """File flow samples as :meth:`add_flow` files their records, in order:
         sample ``i`` is row ``first + i`` of ``source`` (the columns
         :meth:`PairStore.add_rows` takes), ``keys[i]`` its ``(host, pid, src,
         dst)``, ``times[i]`` and ``dts[i]`` its time and interval; no rank or
-        peer named.
+        peer named. ``hosts``, when given: per host of the samples, in the
+        order they first name it, the time and interval of its first sample
+        of the newest time (all times numbers): what noting every sample's
+        host in turn leaves (:meth:`heard_host_at`), when no host has to be
+        evicted for it.
 
         A leader's round of a big job carries a flow sample a rank each
         second (``cluster.flowrows``): made from a round's columns, they are
@@ -1396,6 +1401,16 @@ class Correlator:
         """
         heard = self.heard_host_at
         slots: list[Any] = list(map(self._flow_slot.get, keys))
+        if hosts is not None and None not in slots:
+            known = self.hosts_heard
+            new = sum(h not in known for h, _t, _dt in hosts)
+            if not new or len(known) + new <= self.limits.max_hosts:
+                for h, t, dt in hosts:
+                    heard(h, t, dt)
+                self.flows.add_rows(source, range(first, first + len(slots)), slots)
+                self.flow_dt = float(dts[-1])
+                self._matrix = None
+                return
         rows: Sequence[int] = range(first, first + len(slots))
         if None in slots:
             # A flow to attribute: a sample at a time (attributing one may

@@ -138,7 +138,7 @@ def number_kind(v: Any, what: str) -> tuple[float, int]:
     raise TypeError(f"a flow's {what} is not a number")
 
 
-def _bounds(keys: np.ndarray) -> np.ndarray:
+def run_bounds(keys: np.ndarray) -> np.ndarray:
     """Where each run of equal values in ``keys`` (grouped) begins, then ``len(keys)``:
     run ``i`` is ``bounds[i] .. bounds[i + 1] - 1``."""
     return (
@@ -461,7 +461,7 @@ class TableStore(PairStore):
         self._table = _Table()
         # Not yet in the table, in filing order: runs of (source, rows,
         # slots); a ``None`` source is a run of single samples (rows: tuples).
-        self._pending: list[tuple[Any, list[Any], list[int]]] = []
+        self._pending: list[tuple[Any, Any, list[int]]] = []  # rows: a list, or a range
         self._order: np.ndarray | None = None  # the slots in use by key; None when they change
 
     # ------------------------------------------------------------ slots
@@ -523,10 +523,20 @@ class TableStore(PairStore):
     ) -> None:
         pending = self._pending
         if pending and pending[-1][0] is source:
-            pending[-1][1].extend(rows)
-            pending[-1][2].extend(slots)
+            last = pending[-1]
+            was = last[1]
+            if (type(was) is range and type(rows) is range and was.step == rows.step == 1
+                    and was.stop == rows.start):  # fmt: skip
+                last[2].extend(slots)
+                pending[-1] = (source, range(was.start, rows.stop), last[2])
+            else:
+                if type(was) is range:
+                    pending[-1] = last = (source, list(was), last[2])
+                last[1].extend(rows)
+                last[2].extend(slots)
         else:
-            pending.append((source, list(rows), list(slots)))
+            # A run of rows stays a range: cut from the columns, not gathered.
+            pending.append((source, rows if type(rows) is range else list(rows), list(slots)))
         self.filed += len(rows)
 
     def _flush(self) -> None:
@@ -540,6 +550,8 @@ class TableStore(PairStore):
                 cols = zip(*rows, strict=True)
                 part = {name: _column(col, name) for name, col in zip(_FILED, cols,
                                                                                 strict=True)}  # fmt: skip
+            elif type(rows) is range:
+                part = {name: source[name][rows.start : rows.stop : rows.step] for name in _FILED}
             else:
                 take = np.array(rows, np.int64)
                 part = {name: source[name][take] for name in _FILED}
@@ -590,7 +602,7 @@ class TableStore(PairStore):
         two = 2 * self.window_s
         order = np.argsort(s, kind="stable")
         ss, ts, qs = s[order], t[order], seq[order]
-        bounds = _bounds(ss)
+        bounds = run_bounds(ss)
         starts, lengths = bounds[:-1], np.diff(bounds)
         seg_slot = ss[starts]
         # before the block: each slot's newest time; its first live sample's
@@ -692,7 +704,7 @@ class TableStore(PairStore):
         first = np.full(n, np.iinfo(np.int64).max)
         seq = tab.col("seq")[idx]
         np.minimum.at(first, sl[kept], seq[kept])
-        touched = np.unique(sl)
+        touched = sl[run_bounds(sl)[:-1]]  # each slot once (sl is grouped by slot)
         empty = first[touched] == np.iinfo(np.int64).max
         self.front[touched] = np.where(empty, self.filed, first[touched])
         live = seq >= self.front[sl]
@@ -720,7 +732,7 @@ class TableStore(PairStore):
         idx, sl = self._live()
         samples = sample_tuples({n: self._table.c[n][idx] for n in _SAMPLE})
         mine: dict[int, tuple[FlowSample, ...]] = {}
-        bounds = _bounds(sl).tolist()
+        bounds = run_bounds(sl).tolist()
         for a, b in zip(bounds, bounds[1:], strict=False):
             mine[int(sl[a])] = tuple(samples[a:b])
         out = {}
@@ -825,7 +837,7 @@ class FlowMatrix(Sequence[PairFlow]):
         their slots)."""
         c = store._table.c
         smp = {name: c[name][idx] for name in _SAMPLE}
-        bounds = _bounds(sl)
+        bounds = run_bounds(sl)
         starts = bounds[:-1]
         slots = sl[starts]
         n = len(starts)

@@ -163,6 +163,34 @@ def test_a_node_holds_step_records_back_until_their_digest_goes() -> None:
     assert nw.late == 1
 
 
+def test_a_poll_its_flow_rows_show_is_not_sent_again_as_heard() -> None:
+    # h0's poll at 5.0 carries a flow: the row says h0 was heard (the leader
+    # notes every row's host), so no heard entry repeats it; h1's poll has
+    # only its device, and h2's flow has another interval than its poll.
+    nw = NodeWindows("node-a")
+    flow = {"kind": "flow", "t": 5.0, "dt": 1.0, "host": "h0", "pid": 7,
+            "src": "198.18.0.1:40000", "dst": "198.18.0.2:29500", "tx_bytes": 10,
+            "rx_bytes": 0}  # fmt: skip
+    nw.feed({"kind": "netdev", "t": 5.0, "dt": 1.0, "host": "h0", "dev": "eth0",
+             "tx_bytes": 0, "rx_bytes": 0})  # fmt: skip
+    nw.feed(flow)
+    nw.feed({**flow, "t": 5.01})  # the same poll, a little later: its first stands
+    nw.feed({"kind": "netdev", "t": 5.0, "dt": 1.0, "host": "h1", "dev": "eth0",
+             "tx_bytes": 0, "rx_bytes": 0})  # fmt: skip
+    nw.feed({**flow, "host": "h2", "dt": 2.0})
+    nw.feed({"kind": "netdev", "t": 5.0, "dt": 1.0, "host": "h2", "dev": "eth0",
+             "tx_bytes": 0, "rx_bytes": 0})  # fmt: skip
+    w = nw.window()
+    assert w.heard == (("h1", 5.0, 1.0), ("h2", 5.0, 1.0)) and w.flows.n_rows == 3
+    # The leader still learns each host of the node from its rows.
+    det = LeaderDetector()
+    det.ingest([CS.decode(CS.encode(w))])
+    assert det.node_hosts["node-a"] == {"h0", "h1", "h2"}
+    assert det.corr.hosts_heard["h0"] == [5.01, 1.0]
+    det.set_dark(["node-a"])
+    assert det.corr.dark_hosts == {"h0", "h1", "h2"}
+
+
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name.split(".")[0])
 def test_golden_capture_cut_by_host_gives_the_single_daemons_verdicts(path: Path) -> None:
     recs = list(trace.read_trace(path))

@@ -422,3 +422,42 @@ def test_a_heard_host_after_its_held_rows_is_noted_after_them() -> None:
         det.ingest([_window("n0", 5.5, (), [flow]), _window("n1", 5.5, (("h0", 5.0, 2.0),))])
         said.append(det.pipeline.corr.hosts_heard["h0"])
     assert said[0] == said[1] == [5.0, 1.0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["h0", "h1", "h2", "h3"]), st.sampled_from([4.0, 5.0, 5.5]),
+                  st.sampled_from([0.5, 1.0, 2.0]), st.integers(0, 1)),
+        min_size=1, max_size=24,
+    ),
+    st.lists(st.tuples(st.sampled_from(["h0", "h2", "h9"]), st.sampled_from([3.0, 5.0, 6.0])),
+             max_size=3),
+    st.data(),
+)  # fmt: skip
+def test_a_runs_newest_row_a_host_leaves_what_noting_every_row_leaves(
+    rows: list[tuple[str, float, float, int]], before: list[tuple[str, float]], data: Any
+) -> None:
+    # Rows of a few hosts over two windows (one host has an index in each),
+    # times and intervals tied on purpose; the hosts already heard before.
+    # Noting the run's rows one by one (as records) and noting only each
+    # host's newest_by_host entry leave the same table, its order included.
+    windows = [FlowRowsBuilder(), FlowRowsBuilder()]
+    for i, (host, t, dt, w) in enumerate(rows):
+        windows[w].add({"kind": "flow", "t": t, "dt": dt, "host": host, "pid": i,
+                        "src": "198.18.0.1:1", "dst": "198.18.0.2:2", "tx_bytes": 1,
+                        "rx_bytes": 0})  # fmt: skip
+    line = FlowLine(flow_table([b.take() for b in windows]))
+    k = data.draw(st.integers(0, len(line) - 1))
+    end = data.draw(st.integers(k + 1, len(line)))
+    one_by_one, newest = LeaderPipeline().corr, LeaderPipeline().corr
+    for c in (one_by_one, newest):
+        for host, t in before:
+            c.heard_host_at(host, t, 1.0)
+    for j in range(k, end):
+        one_by_one.heard_host_at(line.hosts[j], line.t[j], line.dt[j])
+    got = line.newest_by_host(k, end)
+    assert len({h for h, _t, _dt in got}) == len(got)
+    for host, t, dt in got:
+        newest.heard_host_at(host, t, dt)
+    assert list(newest.hosts_heard.items()) == list(one_by_one.hosts_heard.items())

@@ -126,8 +126,15 @@ def test_the_table_keeps_what_a_deque_a_pair_keeps(
                     st_.add(slot(st_, _KEYS[k]), src, tuple(fig))  # type: ignore[arg-type]
             else:  # the leader's way into both
                 source = _rows_source(batch)
+                # One run of rows, two runs of one round (a range each), or a
+                # range then a list of rows, by the batch's length.
+                cut = len(batch) // 2 if len(batch) % 3 else len(batch)
+                parts: list[Any] = [range(cut), range(cut, len(batch))]
+                if len(batch) % 3 == 2:
+                    parts[1] = list(parts[1])
                 for st_ in (ref, store):
-                    st_.add_rows(source, range(len(batch)), [slot(st_, _KEYS[b[0]]) for b in batch])
+                    for rows in parts:
+                        st_.add_rows(source, rows, [slot(st_, _KEYS[batch[i][0]]) for i in rows])
         elif op == "matrix":
             now, floor = args
             want, want_oldest = ref.matrix(now - WINDOW, floor)

@@ -23,6 +23,7 @@ import math
 import struct
 from collections.abc import Sequence
 from itertools import chain
+from operator import is_
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -252,15 +253,24 @@ def flow_table(all_flows: Sequence[FlowRows]) -> FlowTable:
     width = ROW.itemsize
     if any(len(f.rows) % width for _, f in have):
         raise ValueError("flow rows cut short")
-    strings = list(chain.from_iterable(f.strings for _, f in have))
-    try:
-        "".join(strings)  # TypeError at the first that is not a string, in C
-    except TypeError as e:
-        raise ValueError("a flow's string is not one") from e
+    lists = [f.strings for _, f in have]
+    last = _LAST_STRINGS
+    if len(lists) == len(last[0]) and all(map(is_, lists, last[0])):
+        # The windows' very string tuples of the last round (a leader's
+        # nodes' strings are read once: cluster.summary): joined already.
+        joined, sizes, firsts = last[1:]
+    else:
+        strings = list(chain.from_iterable(lists))
+        try:
+            "".join(strings)  # TypeError at the first that is not a string, in C
+        except TypeError as e:
+            raise ValueError("a flow's string is not one") from e
+        joined = np.array(strings, dtype=object)
+        sizes = np.array(list(map(len, lists)), np.int64)
+        firsts = np.cumsum(sizes) - sizes
+        last[:] = (lists, joined, sizes, firsts)
     rows = np.frombuffer(b"".join([f.rows for _, f in have]), ROW).copy()
     counts = np.array([len(f.rows) // width for _, f in have], np.int64)
-    sizes = np.array([len(f.strings) for _, f in have], np.int64)
-    firsts = np.cumsum(sizes) - sizes
     which = np.repeat(np.arange(len(have)), counts)
     size, first = sizes[which], firsts[which]
     for name in ("host", "src", "dst"):
@@ -278,4 +288,9 @@ def flow_table(all_flows: Sequence[FlowRows]) -> FlowTable:
             and np.isfinite(srtt).all()):  # fmt: skip
         raise ValueError("a flow's time or srtt is not finite")
     window = np.array([i for i, _ in have], np.int64)[which]
-    return FlowTable(rows, np.array(strings, dtype=object), window)
+    return FlowTable(rows, joined, window)
+
+
+#: flow_table's last windows' string tuples, their strings joined, each
+#: one's count and where each begins in the joined ones.
+_LAST_STRINGS: list[Any] = [[], None, None, None]

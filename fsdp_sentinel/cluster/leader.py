@@ -50,7 +50,7 @@ from fsdp_sentinel.correlate import (
 )
 from fsdp_sentinel.detect import DetectConfig
 from fsdp_sentinel.fabric import FabricTotals
-from fsdp_sentinel.flowstore import TableStore
+from fsdp_sentinel.flowstore import TableStore, run_bounds
 from fsdp_sentinel.pipeline import Pipeline
 from fsdp_sentinel.rankstep import StepRanks, none_if_nan
 from fsdp_sentinel.trace import record_time
@@ -381,7 +381,9 @@ class LeaderPipeline(Pipeline):
                     bisect_left(ts, self._next_tick, k, end),
                 )
             if j > k:
-                self.corr.add_flow_rows(line.keys[k:j], ts[k:j], line.dt[k:j], line.cols, k)
+                self.corr.add_flow_rows(
+                    line.keys[k:j], ts[k:j], line.dt[k:j], line.cols, k, line.newest_by_host(k, j)
+                )
                 self._totals["flow"] = self._totals.get("flow", 0) + j - k
                 if ts[j - 1] > self.now:
                     self.now = ts[j - 1]
@@ -510,6 +512,11 @@ class LeaderDetector:
         i, n = 0, len(recs)
         # The flow rows go between: before item i, rows up to due[i].
         line = FlowLine(flows) if len(flows) else None
+        if line is not None:
+            # A poll that a window's flow rows show is not in its heard
+            # entries (cluster.node): its host is the node's all the same.
+            for at, host in line.window_hosts():
+                self.node_hosts.setdefault(windows[at].node, set()).add(host)
         due = line.due(times[ranked], ranked, np.array(flows_at)) if line else []
         k = 0
         # Rows held to be filed as one run (hold .. k - 1): while the items
@@ -602,11 +609,43 @@ class FlowLine:
             zip(self.hosts, got["pid"].tolist(), s[got["src"]].tolist(), s[got["dst"]].tolist(),
                 strict=True)
         )  # fmt: skip
-        self.dt: list[float] = got["dt"].tolist()
+        self._dt = got["dt"]
+        self.dt: list[float] = self._dt.tolist()
+        # Each row's host as a number, one a host name (a round's windows
+        # each list their own strings: one host may have several indices).
+        ix, inverse = np.unique(got["host"], return_inverse=True)
+        codes: dict[str, int] = {}
+        canon = [codes.setdefault(h, len(codes)) for h in s[ix].tolist()]
+        self._host_code = np.asarray(canon, np.int64)[inverse]
         self.cols = sample_columns(got, table.strings)
 
     def __len__(self) -> int:
         return len(self.t)
+
+    def newest_by_host(self, k: int, end: int) -> list[tuple[str, float, float]]:
+        """Per host of rows ``k .. end - 1``, in the order they first name it: the
+        time and interval of its first row of the newest time (what noting
+        each row's host in turn leaves: ``Correlator.add_flow_rows``)."""
+        code, t = self._host_code[k:end], self._t[k:end]
+        at = np.arange(len(code))
+        by_host = np.lexsort((at, code))  # by host, each in order
+        starts = run_bounds(code[by_host])[:-1]
+        lead = np.lexsort((at, -t, code))[starts]  # each host's first of its newest
+        lead = lead[np.argsort(by_host[starts])]  # hosts in the order they first appear
+        hosts = self.hosts
+        return [
+            (hosts[k + i], ti, dt)
+            for i, ti, dt in zip(lead.tolist(), t[lead].tolist(), self._dt[k + lead].tolist(),
+                                 strict=True)
+        ]  # fmt: skip
+
+    def window_hosts(self) -> list[tuple[int, str]]:
+        """Each window's hosts that its rows name, as ``(window, host)``, once each."""
+        rows = self.table.rows
+        width = len(self.table.strings)
+        both = np.unique(self.table.window * width + rows["host"].astype(np.int64))
+        names = self.table.strings[both % width].tolist()
+        return list(zip((both // width).tolist(), names, strict=True))
 
     def record(self, j: int) -> Record:
         """Row ``j`` (in time order) as its record."""

@@ -875,6 +875,15 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
     return w, found
 
 
+#: A window's JSON that lists only its flow rows' strings, read: a node's is
+#: the same bytes round after round (its flows, in the same order), so it is
+#: parsed once and its strings are the very same objects every round. The
+#: leader looks every row's flow up by them (``Correlator.add_flow_rows``):
+#: with their hashes kept, a 16k-rank round's lookups cost a third.
+_STRINGS_ONLY: dict[bytes, tuple[str, ...]] = {}
+_STRINGS_KEPT = 16384  # nodes' worth; a hostile stream's are not kept beyond
+
+
 def _window_of(
     data: bytes, at: int, n_json: int, n_flows: int, node: str, seq: int, clock: float
 ) -> tuple[Window, Any, int]:
@@ -886,16 +895,25 @@ def _window_of(
     listed: Any = ()
     strings: Any = ()
     if n_json:
-        o = orjson.loads(data[at : at + n_json])
+        raw = data[at : at + n_json]
         at += n_json
-        records, progress, heard, listed = o["records"], o["progress"], o["heard"], o["keys"]
-        strings = o["strings"]
+        strings = _STRINGS_ONLY.get(raw)
+        if strings is None:
+            o = orjson.loads(raw)
+            records, progress, heard, listed = o["records"], o["progress"], o["heard"], o["keys"]
+            strings = o["strings"]
+            if isinstance(strings, list):
+                strings = tuple(strings)
+            if type(strings) is tuple and not (records or progress or heard or listed):
+                if len(_STRINGS_ONLY) >= _STRINGS_KEPT:
+                    _STRINGS_ONLY.clear()
+                _STRINGS_ONLY[raw] = strings
     flows = NO_FLOWS
     if n_flows:
         end = at + n_flows * ROW.itemsize
-        if end > len(data) or not isinstance(strings, list):
+        if end > len(data) or type(strings) is not tuple:
             raise ValueError("flow rows run past the end")
-        flows = FlowRows(tuple(strings), bytes(data[at:end]))
+        flows = FlowRows(strings, bytes(data[at:end]))
         at = end
     w = Window(
         node,
