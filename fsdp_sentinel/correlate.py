@@ -860,6 +860,9 @@ class Correlator:
         # one is a slot: ``add_flow_rows``).
         self._flow_slot: dict[FlowKey, int] = {}
         self._flow_pair: dict[FlowKey, tuple[int, int]] = {}
+        # Bumped whenever a flow's cached slot is set or dropped: a list of
+        # slots looked up (flow_slots) holds while it is unchanged.
+        self.flow_slots_version = 0
         self._torn: dict[int, dict[int, float]] = {}  # rank -> peer -> first torn time
         self._self_closed: dict[int, float] = {}
         self._reset_by: dict[int, set[int]] = {}  # rank -> peers whose connection it reset
@@ -976,6 +979,7 @@ class Correlator:
         """Empty the flow cache (refilled from the maps as flows come)."""
         self._flow_slot.clear()
         self._flow_pair.clear()
+        self.flow_slots_version += 1
 
     def add_step(self, rec: Record) -> tuple[_Rank, int]:
         rs = self.rank_of(int(rec[_RANK]))
@@ -1384,12 +1388,14 @@ class Correlator:
         source: Mapping[str, np.ndarray],
         first: int,
         hosts: Sequence[tuple[str, float, float]] | None = None,
+        slots: list[Any] | None = None,
     ) -> None:
         """File flow samples as :meth:`add_flow` files their records, in order:
         sample ``i`` is row ``first + i`` of ``source`` (the columns
         :meth:`PairStore.add_rows` takes), ``keys[i]`` its ``(host, pid, src,
         dst)``, ``times[i]`` and ``dts[i]`` its time and interval; no rank or
-        peer named. ``hosts``, when given: per host of the samples, in the
+        peer named; ``slots``, when given, what :meth:`flow_slots` says of
+        ``keys`` now. ``hosts``, when given: per host of the samples, in the
         order they first name it, the time and interval of its first sample
         of the newest time (all times numbers): what noting every sample's
         host in turn leaves (:meth:`heard_host_at`), when no host has to be
@@ -1400,7 +1406,8 @@ class Correlator:
         filed without a record, a dict or a conversion each.
         """
         heard = self.heard_host_at
-        slots: list[Any] = list(map(self._flow_slot.get, keys))
+        if slots is None:
+            slots = self.flow_slots(keys)
         if hosts is not None and None not in slots:
             known = self.hosts_heard
             new = sum(h not in known for h, _t, _dt in hosts)
@@ -1433,6 +1440,11 @@ class Correlator:
             self.flow_dt = float(dts[rows[-1] - first])
             self._matrix = None
 
+    def flow_slots(self, keys: Sequence[FlowKey]) -> list[Any]:
+        """Each flow's cached slot (None where it has none yet), as they stand
+        at :attr:`flow_slots_version`."""
+        return list(map(self._flow_slot.get, keys))
+
     def _pair_of(self, key: FlowKey, rec: Record) -> int | None:
         """The slot a flow files into when the cache has no slot for it (its pair
         made, and cached, when there is room); None when none (counted)."""
@@ -1450,6 +1462,7 @@ class Correlator:
                 return None
         self._flow_pair.pop(key, None)
         self._flow_slot[key] = slot
+        self.flow_slots_version += 1
         return slot
 
     def add_conn(self, rec: Record) -> None:
@@ -1509,6 +1522,7 @@ class Correlator:
                     self._flow_pair[flow] = gone[slot]
             self.evicted["pair"] += len(stale)
             self._matrix = None
+            self.flow_slots_version += 1
         for host in [h for h, v in self.hosts_heard.items() if v[0] < horizon]:
             del self.hosts_heard[host]
             self.evicted["host"] += 1

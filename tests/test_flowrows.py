@@ -36,6 +36,7 @@ from fsdp_sentinel.cluster.flowrows import (
     srtt_values,
 )
 from fsdp_sentinel.cluster.leader import FlowLine, LeaderDetector, LeaderPipeline
+from fsdp_sentinel.cluster.node import NodeWindows
 from fsdp_sentinel.cluster.split import run_split
 from fsdp_sentinel.correlate import StateLimits
 from fsdp_sentinel.synth import Scenario, SlowLink, generate
@@ -461,3 +462,71 @@ def test_a_runs_newest_row_a_host_leaves_what_noting_every_row_leaves(
     for host, t, dt in got:
         newest.heard_host_at(host, t, dt)
     assert list(newest.hosts_heard.items()) == list(one_by_one.hosts_heard.items())
+
+
+class _KeysSeen(LeaderDetector):
+    """A leader that notes, each round, whether its flow line took the round
+    before's keys (FlowLine's ``last``)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.reused: list[bool] = []
+
+    def ingest(self, windows: Any) -> list[Record]:
+        before = self._last_line
+        out = super().ingest(windows)
+        if self._last_line is not before and before is not None:
+            self.reused.append(self._last_line.keys is before.keys)  # type: ignore[union-attr]
+        return out
+
+
+def test_a_rounds_flows_named_as_the_last_rounds_serve_again_as_records_would() -> None:
+    # A round a second, each with one probe poll: the same ring of flows,
+    # through the store's wire form, so a round's line takes the round
+    # before's keys and slots. Between, the flow cache changes as in a job:
+    # a rank joins (every cached slot forgotten), a flow comes and goes, a
+    # pair goes quiet and is swept, and every flow stops long enough for all
+    # pairs to be swept, then comes back as before (the last line's slots are
+    # gone). Each round the leader keeps what one fed the rows as records
+    # keeps. A line that reused its slots whatever the correlator's
+    # flow_slots_version fails here; the version's three bumps each also
+    # coincide with others in this story, so their mutants alone survive.
+    ranks = [{"kind": "rank", "t": 0.5, "rank": r, "world_size": 4, "host": f"h{r // 2}",
+              "pid": 4000 + r, "addrs": [f"198.18.0.{r + 1}"]} for r in range(4)]  # fmt: skip
+    limits = StateLimits(ttl_s=5.0)
+    rows, records = _KeysSeen(limits=limits), RecordsLeader(limits=limits)
+    nodes = {h: NodeWindows(h) for h in ("h0", "h1", "h2")}
+    rounds: list[list[bytes]] = []
+    for s in range(75):
+        t = float(s)
+        recs: list[Record] = list(ranks) if s == 0 else []
+        ring = [(r, (r + 1) % 4) for r in range(4) if not (r == 3 and s >= 20)]
+        if 8 <= s <= 10:
+            ring.append((0, 2))
+        if 40 <= s <= 65:
+            ring = []
+        for r, p in ring if s else ():
+            recs.append({"kind": "flow", "t": t, "dt": 1.0, "host": f"h{r // 2}",
+                         "pid": 4000 + r, "src": f"198.18.0.{r + 1}:{40000 + p}",
+                         "dst": f"198.18.0.{p + 1}:29500", "tx_bytes": 1000 * s + r,
+                         "rx_bytes": s, "srtt_us": 100 + s % 7 + r})  # fmt: skip
+        for h in ("h0", "h1"):
+            recs.append({"kind": "netdev", "t": t, "dt": 1.0, "host": h, "dev": "eth0",
+                         "tx_bytes": 0, "rx_bytes": 0})  # fmt: skip
+        # Steps keep the ranks alive (a rank that only announced itself is swept).
+        recs += [{"kind": "step", "rank": r, "step": s, "start": t - 0.9, "end": t + 0.05}
+                 for r in range(4 if s < 6 else 5)]  # fmt: skip
+        if s == 5:  # on a node of its own, whose windows carry no flows
+            recs.append({**ranks[3], "t": t + 0.1, "rank": 4, "world_size": 5, "host": "h2",
+                         "pid": 4004, "addrs": ["198.18.0.5"]})  # fmt: skip
+        for rec in recs:
+            nodes[rec["host"] if "host" in rec else f"h{min(rec['rank'] // 2, 2)}"].feed(rec)
+        rounds.append([CS.encode(nw.window(t + 0.1)) for nw in nodes.values()])
+    # The records first, then the rows: flow_table keeps only its last call's
+    # strings, so the two leaders taking turns would read nothing twice.
+    want = [(records.ingest([CS.decode(b) for b in blobs]), _state(records)) for blobs in rounds]
+    for s, blobs in enumerate(rounds):
+        assert (rows.ingest(CS.decode_round(blobs)), _state(rows)) == want[s], s
+    corr = rows.pipeline.corr
+    assert corr.evicted["pair"] >= 3  # as the story goes
+    assert 40 <= sum(rows.reused) < len(rows.reused)  # most rounds, not the changed ones

@@ -382,8 +382,9 @@ class LeaderPipeline(Pipeline):
                 )
             if j > k:
                 self.corr.add_flow_rows(
-                    line.keys[k:j], ts[k:j], line.dt[k:j], line.cols, k, line.newest_by_host(k, j)
-                )
+                    line.keys[k:j], ts[k:j], line.dt[k:j], line.cols, k,
+                    line.newest_by_host(k, j), line.slots(self.corr, k, j),
+                )  # fmt: skip
                 self._totals["flow"] = self._totals.get("flow", 0) + j - k
                 if ts[j - 1] > self.now:
                     self.now = ts[j - 1]
@@ -427,6 +428,7 @@ class LeaderDetector:
         self.node_ranks: dict[str, set[int]] = {}
         self.node_hosts: dict[str, set[str]] = {}
         self.windows = 0
+        self._last_line: FlowLine | None = None  # the newest round's flow rows
 
     def set_dark(self, nodes: Iterable[str]) -> None:
         """Nodes whose daemons stopped publishing (their ranks are not judged)."""
@@ -511,7 +513,9 @@ class LeaderDetector:
         feed, progress, clock, file_flows = pipe.feed, pipe.progress, pipe.clock, pipe.file_flows
         i, n = 0, len(recs)
         # The flow rows go between: before item i, rows up to due[i].
-        line = FlowLine(flows) if len(flows) else None
+        line = FlowLine(flows, self._last_line) if len(flows) else None
+        if line is not None:
+            self._last_line = line
         if line is not None:
             # A poll that a window's flow rows show is not in its heard
             # entries (cluster.node): its host is the node's all the same.
@@ -590,9 +594,20 @@ class FlowLine:
     row at once.
 
     Rows of one time keep their windows' order, and a window's rows their own.
+
+    ``last``: the round before's line. When this round's rows name the very
+    flows of that one, in the same order, through the very same strings (a
+    steady job: the nodes' strings are read once, and ``flow_table`` joins
+    them once), its keys, hosts and looked-up slots serve again: at 16k
+    ranks, a tuple and a lookup a row.
     """
 
-    def __init__(self, table: FlowTable) -> None:
+    hosts: list[str]
+    keys: list[FlowKey]
+    _host_code: np.ndarray
+    _slots: dict[tuple[int, int, int], list[Any]]
+
+    def __init__(self, table: FlowTable, last: FlowLine | None = None) -> None:
         rows = table.rows
         self.table = table
         t = rows["t"]
@@ -603,21 +618,44 @@ class FlowLine:
             got = rows[self.order]
         self._t = got["t"]  # in time order, as an array (due) and as floats
         self.t: list[float] = self._t.tolist()
+        self._dt = got["dt"]
+        self.dt: list[float] = self._dt.tolist()
+        self.cols = sample_columns(got, table.strings)
+        # Which flow each row is: its strings' indices and its pid.
+        self._ids = np.stack([got["host"].astype(np.int64), got["pid"],
+                              got["src"].astype(np.int64), got["dst"].astype(np.int64)])  # fmt: skip
+        if (
+            last is not None
+            and table.strings is last.table.strings
+            and np.array_equal(self._ids, last._ids)
+        ):
+            self.hosts, self.keys = last.hosts, last.keys
+            self._host_code, self._slots = last._host_code, last._slots
+            return
         s = table.strings
-        self.hosts: list[str] = s[got["host"]].tolist()
-        self.keys: list[FlowKey] = list(
+        self.hosts = s[got["host"]].tolist()
+        self.keys = list(
             zip(self.hosts, got["pid"].tolist(), s[got["src"]].tolist(), s[got["dst"]].tolist(),
                 strict=True)
         )  # fmt: skip
-        self._dt = got["dt"]
-        self.dt: list[float] = self._dt.tolist()
         # Each row's host as a number, one a host name (a round's windows
         # each list their own strings: one host may have several indices).
         ix, inverse = np.unique(got["host"], return_inverse=True)
         codes: dict[str, int] = {}
         canon = [codes.setdefault(h, len(codes)) for h in s[ix].tolist()]
         self._host_code = np.asarray(canon, np.int64)[inverse]
-        self.cols = sample_columns(got, table.strings)
+        self._slots = {}  # (rows k, end, the correlator's flow_slots_version) -> slots
+
+    def slots(self, corr: Any, k: int, end: int) -> list[Any]:
+        """Rows ``k .. end - 1``'s flows' slots, as ``corr.flow_slots`` says now
+        (looked up once while its flow cache is unchanged)."""
+        at = (k, end, corr.flow_slots_version)
+        got = self._slots.get(at)
+        if got is None:
+            if len(self._slots) >= 64:
+                self._slots.clear()
+            got = self._slots[at] = corr.flow_slots(self.keys[k:end])
+        return got
 
     def __len__(self) -> int:
         return len(self.t)
