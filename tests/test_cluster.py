@@ -447,9 +447,11 @@ def test_a_steady_round_is_read_for_every_node_at_once() -> None:
     # Windows that carry records, progress, probe polls or flow rows beside
     # such a digest are read at once too (a job whose steps outlast the probe
     # interval: every round), each as read alone.
-    rows = FlowRowsBuilder()
+    rows, y_rows = FlowRowsBuilder(), FlowRowsBuilder()
     for rec in _flows(3, "node-x", 50.5):
         rows.add(rec)
+    for rec in _flows(3, "node-y", 50.5):
+        y_rows.add(rec)
     with_more = [
         *blobs,
         CS.encode(
@@ -464,15 +466,22 @@ def test_a_steady_round_is_read_for_every_node_at_once() -> None:
                 rows.take(),
             )
         ),  # fmt: skip
-        CS.encode(CS.Window("node-y", 9, 51.0, (), (digests[1],), (), (), rows.take())),
+        CS.encode(CS.Window("node-y", 9, 51.0, (), (digests[1],), (), (), y_rows.take())),
     ]
     fast = CS._uniform_round(with_more)
     slow = CS._round_of_windows(with_more)
     assert fast is not None and fast.windows == slow.windows
-    assert fast.windows[5].heard == (("host-x", 50.5, 1.0),) and len(fast.flows) == 3
+    assert fast.windows[5].heard == (("host-x", 50.5, 1.0),) and len(fast.flows) == 6
     assert _as_text(fast.steps[7]) == _as_text(slow.steps[7])
     assert fast.flows.rows.tobytes() == slow.flows.rows.tobytes()
     assert fast.flows.strings.tolist() == slow.flows.strings.tolist()
+    # Read again, node-y's JSON (its rows' strings alone) is known: its rows
+    # are cut from the blob, not read through a window; the same round.
+    again = CS._uniform_round(with_more)
+    assert again is not None and again.windows == slow.windows
+    assert again.flows.rows.tobytes() == slow.flows.rows.tobytes()
+    assert again.flows.strings.tolist() == slow.flows.strings.tolist()
+    assert again.flows.window.tolist() == slow.flows.window.tolist() == [5] * 3 + [6] * 3
     # Not such a round: two steps, or other keys.
     other = CS.digest_step(8, {99: _colls(rng, 99, 8, keys, 0.0)})
     shifted = CS.digest_step(7, {99: _colls(rng, 99, 7, [k + 1 for k in keys], 0.0)})

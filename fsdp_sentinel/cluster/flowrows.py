@@ -250,10 +250,18 @@ def flow_table(all_flows: Sequence[FlowRows]) -> FlowTable:
     have = [(i, f) for i, f in enumerate(all_flows) if f.rows]
     if not have:
         return NO_TABLE
+    return joined_table(
+        [f.strings for _, f in have], [f.rows for _, f in have], [i for i, _ in have]
+    )
+
+
+def joined_table(lists: list[Any], rows_of: list[Any], at: list[int]) -> FlowTable:
+    """:func:`flow_table` of the windows that have rows: each one's strings (a
+    tuple), its rows' bytes (bytes-like, not empty) and its index in the list
+    the table's ``window`` column refers to."""
     width = ROW.itemsize
-    if any(len(f.rows) % width for _, f in have):
+    if any(len(r) % width for r in rows_of):
         raise ValueError("flow rows cut short")
-    lists = [f.strings for _, f in have]
     last = _LAST_STRINGS
     if len(lists) == len(last[0]) and all(map(is_, lists, last[0])):
         # The windows' very string tuples of the last round (a leader's
@@ -269,9 +277,9 @@ def flow_table(all_flows: Sequence[FlowRows]) -> FlowTable:
         sizes = np.array(list(map(len, lists)), np.int64)
         firsts = np.cumsum(sizes) - sizes
         last[:] = (lists, joined, sizes, firsts)
-    rows = np.frombuffer(b"".join([f.rows for _, f in have]), ROW).copy()
-    counts = np.array([len(f.rows) // width for _, f in have], np.int64)
-    which = np.repeat(np.arange(len(have)), counts)
+    rows = np.frombuffer(b"".join(rows_of), ROW).copy()
+    counts = np.array([len(r) // width for r in rows_of], np.int64)
+    which = np.repeat(np.arange(len(rows_of)), counts)
     size, first = sizes[which], firsts[which]
     for name in ("host", "src", "dst"):
         ix = rows[name].astype(np.int64)
@@ -287,7 +295,7 @@ def flow_table(all_flows: Sequence[FlowRows]) -> FlowTable:
     if not (np.isfinite(rows["t"]).all() and np.isfinite(rows["dt"]).all()
             and np.isfinite(srtt).all()):  # fmt: skip
         raise ValueError("a flow's time or srtt is not finite")
-    window = np.array([i for i, _ in have], np.int64)[which]
+    window = np.array(at, np.int64)[which]
     return FlowTable(rows, joined, window)
 
 

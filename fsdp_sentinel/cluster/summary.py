@@ -49,7 +49,15 @@ import numpy as np
 import orjson
 
 from fsdp_sentinel import correlate
-from fsdp_sentinel.cluster.flowrows import NO_FLOWS, NO_TABLE, ROW, FlowRows, FlowTable, flow_table
+from fsdp_sentinel.cluster.flowrows import (
+    NO_FLOWS,
+    NO_TABLE,
+    ROW,
+    FlowRows,
+    FlowTable,
+    flow_table,
+    joined_table,
+)
 from fsdp_sentinel.correlate import RankStep, blocked_s, step_columns, top_seq
 from fsdp_sentinel.flowstore import new_tuple
 from fsdp_sentinel.rankstep import StepRanks
@@ -613,7 +621,7 @@ def _digest(step: int, p: _Part) -> StepDigest:
 class Round(NamedTuple):
     """One round of packed windows read together (:func:`decode_round`).
 
-    ``windows``: each node's window without its digests; ``steps``: per step,
+    ``windows``: each node's window without its digests or flow rows; ``steps``: per step,
     every node's digest of it joined (:func:`join_digests`: node order, a
     rank's group index past the nodes' before); ``bad``: blobs that were not
     windows, each left out alone; ``flows``: the windows' flow rows joined
@@ -679,7 +687,7 @@ def decode_round(blobs: Iterable[bytes]) -> Round:
         flows = flow_table([w.flows for w in windows])
     except ValueError:  # as a column check: find the blob at fault
         return _round_of_windows(blobs)
-    return Round(windows, steps, bad, flows)
+    return Round(_without_rows(windows), steps, bad, flows)
 
 
 #: The packed head, a digest's and a key group's fixed fields as numpy reads
@@ -784,13 +792,36 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
     flows = NO_TABLE
     more = np.flatnonzero(n_json + n_flows).tolist()  # windows with JSON or flow rows
     if more:
+        # A window whose JSON only lists its rows' strings, read before (the
+        # same bytes every round: _STRINGS_ONLY), is cut here, its rows a view
+        # of its blob; any other is read whole (_window_of).
+        known = _STRINGS_ONLY.get
+        lists: list[Any] = []
+        rows_of: list[Any] = []
+        at: list[int] = []
+        rows: Any
         try:
-            for i in more:
-                w = windows[i]
-                windows[i] = _window_of(
-                    blobs[i], name_end[i], int(n_json[i]), int(n_flows[i]), w.node, w.seq, w.t
-                )[0]
-            flows = flow_table([w.flows for w in windows])
+            for i, a, nj, nf in zip(
+                more, [name_end[i] for i in more], n_json[more].tolist(),
+                n_flows[more].tolist(), strict=True,
+            ):  # fmt: skip
+                b = blobs[i]
+                strings = known(b[a : a + nj]) if nj else None
+                if strings is None:
+                    w = windows[i]
+                    w = _window_of(b, a, nj, nf, w.node, w.seq, w.t)[0]
+                    windows[i] = w._replace(flows=NO_FLOWS)
+                    if not w.flows.rows:
+                        continue
+                    strings, rows = w.flows.strings, w.flows.rows
+                elif nf:
+                    rows = memoryview(b)[a + nj : a + nj + nf * ROW.itemsize]
+                else:
+                    continue
+                lists.append(strings)
+                rows_of.append(rows)
+                at.append(i)
+            flows = joined_table(lists, rows_of, at) if rows_of else NO_TABLE
         except _NOT_A_WINDOW:
             return None
     return Round(windows, {step: joined}, 0, flows)
@@ -820,7 +851,12 @@ def _round_of_windows(blobs: list[bytes]) -> Round:
         for d in w.digests:
             by_step.setdefault(d.step, []).append(d)
     steps = {s: join_digests(ds) for s, ds in by_step.items()}
-    return Round(windows, steps, bad, flow_table([w.flows for w in windows]))
+    return Round(_without_rows(windows), steps, bad, flow_table([w.flows for w in windows]))
+
+
+def _without_rows(windows: list[Window]) -> list[Window]:
+    """The windows as a :class:`Round` holds them: their rows are its ``flows``."""
+    return [w._replace(flows=NO_FLOWS) if w.flows.rows else w for w in windows]
 
 
 def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
