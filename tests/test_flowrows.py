@@ -527,6 +527,7 @@ def test_a_rounds_flows_named_as_the_last_rounds_serve_again_as_records_would() 
     want = [(records.ingest([CS.decode(b) for b in blobs]), _state(records)) for blobs in rounds]
     for s, blobs in enumerate(rounds):
         assert (rows.ingest(CS.decode_round(blobs)), _state(rows)) == want[s], s
+    assert rows.node_hosts == records.node_hosts == {"h0": {"h0"}, "h1": {"h1"}, "h2": {"h2"}}
     corr = rows.pipeline.corr
     assert corr.evicted["pair"] >= 3  # as the story goes
     assert 40 <= sum(rows.reused) < len(rows.reused)  # most rounds, not the changed ones

@@ -606,6 +606,7 @@ class FlowLine:
     keys: list[FlowKey]
     _host_code: np.ndarray
     _slots: dict[tuple[int, int, int], list[Any]]
+    _window_hosts: list[tuple[int, str]] | None
 
     def __init__(self, table: FlowTable, last: FlowLine | None = None) -> None:
         rows = table.rows
@@ -631,6 +632,9 @@ class FlowLine:
         ):
             self.hosts, self.keys = last.hosts, last.keys
             self._host_code, self._slots = last._host_code, last._slots
+            # the same rows in the same windows' places: the same (window, host)s
+            same_at = np.array_equal(table.window, last.table.window)
+            self._window_hosts = last._window_hosts if same_at else None
             return
         s = table.strings
         self.hosts = s[got["host"]].tolist()
@@ -645,6 +649,7 @@ class FlowLine:
         canon = [codes.setdefault(h, len(codes)) for h in s[ix].tolist()]
         self._host_code = np.asarray(canon, np.int64)[inverse]
         self._slots = {}  # (rows k, end, the correlator's flow_slots_version) -> slots
+        self._window_hosts = None
 
     def slots(self, corr: Any, k: int, end: int) -> list[Any]:
         """Rows ``k .. end - 1``'s flows' slots, as ``corr.flow_slots`` says now
@@ -679,11 +684,14 @@ class FlowLine:
 
     def window_hosts(self) -> list[tuple[int, str]]:
         """Each window's hosts that its rows name, as ``(window, host)``, once each."""
+        if self._window_hosts is not None:
+            return self._window_hosts
         rows = self.table.rows
         width = len(self.table.strings)
         both = np.unique(self.table.window * width + rows["host"].astype(np.int64))
         names = self.table.strings[both % width].tolist()
-        return list(zip((both // width).tolist(), names, strict=True))
+        self._window_hosts = list(zip((both // width).tolist(), names, strict=True))
+        return self._window_hosts
 
     def record(self, j: int) -> Record:
         """Row ``j`` (in time order) as its record."""
