@@ -516,7 +516,6 @@ class LeaderDetector:
         line = FlowLine(flows, self._last_line) if len(flows) else None
         if line is not None:
             self._last_line = line
-        if line is not None:
             # A poll that a window's flow rows show is not in its heard
             # entries (cluster.node): its host is the node's all the same.
             for at, host in line.window_hosts():
