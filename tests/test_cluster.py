@@ -525,3 +525,23 @@ def _flows(n: int, host: str, t: float) -> list[dict]:
 
 def _as_text(d: CS.StepDigest) -> str:
     return repr(_as_lists(d))  # NaN (no step record) equal to NaN
+
+
+def test_a_nodes_strings_kept_are_bounded_in_count_and_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nodes whose flows change every round send new strings every round: the
+    # strings read once are kept up to a count and a byte budget, then begun
+    # again; every window still reads back as it was sent.
+    monkeypatch.setattr(CS, "_STRINGS_ONLY", {})
+    monkeypatch.setattr(CS, "_strings_bytes", [0])
+    monkeypatch.setattr(CS, "_STRINGS_KEPT_BYTES", 4096)
+    for i in range(40):
+        rows = FlowRowsBuilder()
+        for rec in _flows(3, f"host-{i}", 50.5):
+            rows.add(rec)
+        w = CS.Window(f"node-{i}", 9, 51.0, (), (), (), (), rows.take())
+        back = CS.decode(CS.encode(w))
+        assert back.flows == w.flows
+        assert sum(map(len, CS._STRINGS_ONLY)) == CS._strings_bytes[0] <= 4096
+    assert 0 < len(CS._STRINGS_ONLY) < 40

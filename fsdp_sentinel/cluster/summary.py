@@ -917,7 +917,11 @@ def _head_and_parts(data: bytes) -> tuple[Window, list[tuple[int, _Part]]]:
 #: leader looks every row's flow up by them (``Correlator.add_flow_rows``):
 #: with their hashes kept, a 16k-rank round's lookups cost a third.
 _STRINGS_ONLY: dict[bytes, tuple[str, ...]] = {}
-_STRINGS_KEPT = 16384  # nodes' worth; a hostile stream's are not kept beyond
+#: How many, and how many of their JSON bytes, are kept: 16k nodes' worth at
+#: ~1 kB a node; a stream that sends more (a node whose flows change every
+#: round, or a hostile one) empties it and starts again.
+_STRINGS_KEPT, _STRINGS_KEPT_BYTES = 16384, 64 << 20
+_strings_bytes = [0]  # the JSON bytes kept now
 
 
 def _window_of(
@@ -941,9 +945,14 @@ def _window_of(
             if isinstance(strings, list):
                 strings = tuple(strings)
             if type(strings) is tuple and not (records or progress or heard or listed):
-                if len(_STRINGS_ONLY) >= _STRINGS_KEPT:
+                if (
+                    len(_STRINGS_ONLY) >= _STRINGS_KEPT
+                    or _strings_bytes[0] + len(raw) > _STRINGS_KEPT_BYTES
+                ):
                     _STRINGS_ONLY.clear()
+                    _strings_bytes[0] = 0
                 _STRINGS_ONLY[raw] = strings
+                _strings_bytes[0] += len(raw)
     flows = NO_FLOWS
     if n_flows:
         end = at + n_flows * ROW.itemsize
