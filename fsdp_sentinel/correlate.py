@@ -1408,17 +1408,8 @@ class Correlator:
         heard = self.heard_host_at
         if slots is None:
             slots = self.flow_slots(keys)
-        if hosts is not None and None not in slots:
-            known = self.hosts_heard
-            new = sum(h not in known for h, _t, _dt in hosts)
-            if not new or len(known) + new <= self.limits.max_hosts:
-                for h, t, dt in hosts:
-                    heard(h, t, dt)
-                self.flows.add_rows(source, range(first, first + len(slots)), slots)
-                self.flow_dt = float(dts[-1])
-                self._matrix = None
-                return
         rows: Sequence[int] = range(first, first + len(slots))
+        known = self.hosts_heard
         if None in slots:
             # A flow to attribute: a sample at a time (attributing one may
             # change the maps, or empty the cache, for the next).
@@ -1432,6 +1423,12 @@ class Correlator:
                         continue
                 rows.append(first + i)
                 slots.append(slot)
+        elif hosts is not None and (
+            not (new := sum(h not in known for h, _t, _dt in hosts))
+            or len(known) + new <= self.limits.max_hosts  # none evicted
+        ):
+            for h, t, dt in hosts:  # each host once: as noting every sample leaves it
+                heard(h, t, dt)
         else:
             for key, t, dt in zip(keys, times, dts, strict=True):
                 heard(key[0], t, dt)

@@ -650,7 +650,7 @@ class FlowLine:
         self._slots = {}  # (rows k, end, the correlator's flow_slots_version) -> slots
         self._window_hosts = None
 
-    def slots(self, corr: Any, k: int, end: int) -> list[Any]:
+    def slots(self, corr: Correlator, k: int, end: int) -> list[Any]:
         """Rows ``k .. end - 1``'s flows' slots, as ``corr.flow_slots`` says now
         (looked up once while its flow cache is unchanged)."""
         at = (k, end, corr.flow_slots_version)
