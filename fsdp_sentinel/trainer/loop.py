@@ -162,6 +162,13 @@ def train(cfg: TrainConfig) -> int:
         if ckpt:
             ckpt.close()  # a clean exit leaves no half-written checkpoint
         eval_loss = evaluate(cfg, model, data, inst, cluster.device) if cfg.eval_steps else None
+        # Every rank done before any tears gloo down: a rank destroying its
+        # group while a peer's last collective still talks to it aborts the
+        # peer ("terminate called without an active exception": CI, session
+        # 29, test_no_hooks_trains_without_records; tests/ternary_ranks.py
+        # met it first). Only on the way out of a clean run: a failed one
+        # must not wait on its peers.
+        dist.barrier()
     finally:
         if inst:
             inst.close()
