@@ -11,6 +11,7 @@ again. Prints one JSON line per rank.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -98,4 +99,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Out without the interpreter's teardown: with the barrier above it still
+    # aborted once (session 30, the full suite), as torch's C++ statics went
+    # down while a gloo thread ran (fsdp_sentinel/trainer/__main__.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
