@@ -907,9 +907,13 @@ class Correlator:
             if len(self.ranks) >= self.limits.max_ranks and not self._evict_idle_rank():
                 self.evicted["rank"] += 1
                 raise ValueError(f"rank map full ({self.limits.max_ranks}): rank {rank} refused")
-            rs = self.ranks[rank] = _Rank(rank)
+            rs = self.ranks[rank] = self._new_rank(rank)
             self._live = None
         return rs
+
+    def _new_rank(self, rank: int) -> _Rank:
+        """A new rank's state (cluster mode's leader keeps some of it as columns)."""
+        return _Rank(rank)
 
     def _evict_idle_rank(self) -> bool:
         """Forget the longest-idle rank that never sent a step or collective."""
@@ -2057,16 +2061,26 @@ class Correlator:
                 if rs is not None and rs.pending:
                     pending_t[row_of(rank_col, r)] = max(p.t for p in rs.pending.values())
         torn = {r: (len(t), min(t.values())) for r, t in self._torn.items() if t and r in ranks}
+        last_t, done_step = self._progress_of(states)
         return LivenessColumns(
             rank_col,
             hosts,
-            np.fromiter(map(_LAST_T, states), np.float64, n),
-            np.fromiter(map(_DONE_STEP, states), np.int64, n),
+            last_t,
+            done_step,
             pending_t,
             self._live_peers,
             torn,
             frozenset(r for r in self._self_closed if r in ranks),
             {r: len(v) for r, v in self._reset_by.items() if v and r in ranks},
+        )
+
+    def _progress_of(self, states: list[_Rank]) -> tuple[np.ndarray, np.ndarray]:
+        """Each of ``states``' last heard time and newest step done, as arrays (a
+        pass in C a figure)."""
+        n = len(states)
+        return (
+            np.fromiter(map(_LAST_T, states), np.float64, n),
+            np.fromiter(map(_DONE_STEP, states), np.int64, n),
         )
 
     def _in_order(self) -> tuple[np.ndarray, list[_Rank], list[str]]:

@@ -22,6 +22,7 @@ so rank 0's node leads) that is not dark.
 from __future__ import annotations
 
 import gc
+from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fsdp_sentinel.cluster.flowrows import FlowTable, flow_table, sample_columns
+from fsdp_sentinel.cluster.rankcols import ColumnRank, ProgressColumns, slots_of
 from fsdp_sentinel.cluster.summary import (
     Round,
     StepDigest,
@@ -65,6 +67,22 @@ LEADER_LIMITS = StateLimits(
 )
 
 
+class _KnownRanks(NamedTuple):
+    """The states of one digest's ranks (``LeaderCorrelator._digest_states``): its
+    ranks' bytes, the rank evictions counted when they were looked up, the
+    states and their progress slots."""
+
+    key: bytes | None
+    evicted: int
+    states: list[Any]
+    slots: np.ndarray
+
+
+def _ints(col: Sequence[int]) -> np.ndarray:
+    """A digest's int column as an array (a decoded one's buffer, not copied)."""
+    return np.frombuffer(col, dtype=col.typecode) if type(col) is array else np.asarray(col)
+
+
 class LeaderCorrelator(Correlator):
     """A :class:`Correlator` fed step digests instead of ``coll`` and ``step`` records.
 
@@ -82,9 +100,15 @@ class LeaderCorrelator(Correlator):
         super().__init__(flow_window_s, limits=limits or LEADER_LIMITS, store=TableStore)
         self.digests: dict[int, list[StepDigest]] = {}
         self.step_filed: dict[int, set[int]] = {}  # step -> ranks whose step record is filed
-        self.top_seq: dict[int, int] = {}
-        # add_digest's last digest, its ranks' states, the evictions then
-        self._looked_up: tuple[Any, list[Any], int] = (None, [], -1)
+        # Every rank's progress figures as columns (cluster.rankcols), and the
+        # newest seq of a rank forgotten (kept as the columns cannot).
+        self.progress = ProgressColumns()
+        self._forgotten_seq: dict[int, int] = {}
+        # The states of the last digest's ranks (_digest_states); most rounds
+        # name the same ranks, so the same list serves again.
+        self._known: _KnownRanks | None = None
+        # _progress_of's last states list and their slots
+        self._live_slots: tuple[list[Any], np.ndarray] | None = None
         self.dark_ranks: frozenset[int] = frozenset()
         self.dark_hosts: frozenset[str] = frozenset()
 
@@ -95,29 +119,42 @@ class LeaderCorrelator(Correlator):
         self.digests.setdefault(d.step, []).append(d)
         self.malformed += d.malformed
         step = d.step
-        states = self._states(d.ranks)
-        # Kept for the digest's step record (note_digest), fed later in the
-        # same round: the same ranks, looked up once.
-        self._looked_up = (d, states, self.evicted["rank"])
+        slots = self._digest_states(d).slots
+        cols = self.progress
+        cols.first_step[slots] = np.minimum(cols.first_step[slots], step)
         # Ranks with collectives: their newest step and seq (a group's seq is
         # every member's: they issued the same keys).
-        tops = group_top_seqs(d)
-        top = self.top_seq
-        busy = False
-        for rs, n, g in zip(states, d.n_coll, d.group, strict=True):
-            first = rs.first_step
-            if first is None or step < first:
-                rs.first_step = step
-            if not n:
-                continue
-            busy = True
-            if step > rs.max_coll_step:
-                rs.max_coll_step = step
-            seq = tops[g]
-            if seq > top.get(rs.rank, -1):
-                top[rs.rank] = seq
-        if busy and step > self.max_coll_step:
+        has = _ints(d.n_coll) != 0
+        if not has.any():
+            return
+        busy = slots if has.all() else slots[has]
+        cols.max_coll_step[busy] = np.maximum(cols.max_coll_step[busy], step)
+        if step > self.max_coll_step:
             self.max_coll_step = step
+        tops = np.asarray(group_top_seqs(d), dtype=np.int64)
+        group = _ints(d.group)
+        # at: a rank may be named twice (a node in error): each seq counts
+        np.maximum.at(cols.top_seq, busy, tops[group if has.all() else group[has]])
+
+    def _digest_states(self, d: StepDigest) -> _KnownRanks:
+        """The states of ``d``'s ranks, in order (made for any not yet known): the
+        last digest's list again when ``d`` names the same ranks and no rank has
+        been replaced since (a rank's state is only ever replaced by forgetting
+        it, which counts an eviction)."""
+        ranks = d.ranks
+        key = ranks.tobytes() if type(ranks) is array else None
+        evicted = self.evicted["rank"]
+        known = self._known
+        if (key is not None and known is not None and known.evicted == evicted
+                and known.key == key):  # fmt: skip
+            return known
+        # The evictions before the lookup: one it makes (an idle rank dropped to
+        # make room) leaves the list unfit to serve again.
+        states = self._states(ranks)
+        known = _KnownRanks(key, evicted, states, slots_of(states, self.progress))
+        if key is not None:
+            self._known = known
+        return known
 
     def _states(self, ranks: Iterable[int]) -> list[Any]:
         """The states of ``ranks`` (made for any not yet known), in order."""
@@ -142,36 +179,43 @@ class LeaderCorrelator(Correlator):
         return rs, step
 
     def note_digest(self, d: StepDigest) -> tuple[Sequence[int], list[Any]]:
-        """:meth:`~Correlator.note_steps` for every step record in ``d``; their
-        ranks, and those ranks' states."""
+        """:meth:`~Correlator.note_steps` for every step record in ``d``, over the
+        progress columns; their ranks, and those ranks' states."""
         end = np.asarray(d.end, dtype=np.float64)
         timed = end == end  # NaN: no step record
-        looked = self._looked_up
+        known = self._digest_states(d)
         if timed.all():
-            ranks, ends = d.ranks, d.end
-            if looked[0] is d and looked[2] == self.evicted["rank"]:  # no rank replaced since
-                states = looked[1]
-            else:
-                states = self._states(ranks)
+            ranks, states, slots = d.ranks, known.states, known.slots
         else:
             at = np.flatnonzero(timed)
             ranks = np.asarray(d.ranks)[at].tolist()
-            ends = end[at].tolist()
-            states = self._states(ranks)
-        self.note_steps(d.step, zip(states, ends, strict=True))
+            states, slots, end = [known.states[i] for i in at.tolist()], known.slots[at], end[at]
+        if not len(slots):
+            return ranks, states
+        step = d.step
+        cols = self.progress
+        np.maximum.at(cols.last_t, slots, end)  # at: a rank named twice keeps its newest
+        cols.first_step[slots] = np.minimum(cols.first_step[slots], step)
+        done = cols.done_step[slots]
+        # A rank's first step done: it is no longer idle (Correlator.note_steps).
+        for i in np.flatnonzero(done < 0).tolist() if step >= 0 else ():
+            self._busy(states[i])
+        cols.done_step[slots] = np.maximum(done, step)
+        if step > self.job_done:
+            self.job_done = step
         return ranks, states
 
     def add_progress(self, rank: int, last_t: float, coll_step: int, top_seq: int) -> None:
         """A node's word on its rank: last heard, newest step and seq with collectives."""
-        rs = self.rank_of(rank)
+        rs: Any = self.rank_of(rank)  # a ColumnRank (_new_rank)
         if last_t > rs.last_t:
             rs.last_t = last_t
         if coll_step > rs.max_coll_step:
             rs.max_coll_step = coll_step
             if coll_step > self.max_coll_step:
                 self.max_coll_step = coll_step
-        if top_seq > self.top_seq.get(rank, -1):
-            self.top_seq[rank] = top_seq
+        if top_seq > rs.top_seq:
+            rs.top_seq = top_seq
 
     def pending_steps(self) -> list[int]:
         return sorted(set(super().pending_steps()) | set(self.digests) | set(self.step_filed))
@@ -232,7 +276,29 @@ class LeaderCorrelator(Correlator):
         return True
 
     def newest_seq(self, rs: Any) -> int:
-        return max(super().newest_seq(rs), self.top_seq.get(rs.rank, -1))
+        return max(super().newest_seq(rs), rs.top_seq)
+
+    def _new_rank(self, rank: int) -> ColumnRank:
+        rs = ColumnRank(rank, self.progress)
+        seq = self._forgotten_seq.pop(rank, None)
+        if seq is not None:
+            rs.top_seq = seq
+        return rs
+
+    def forget_rank(self, rank: int) -> None:
+        rs: Any = self.ranks.get(rank)
+        super().forget_rank(rank)
+        if rs is not None and rank not in self.ranks:
+            if rs.top_seq >= 0:  # the newest seq a node said it reached outlives it
+                self._forgotten_seq[rank] = rs.top_seq
+            rs.detach()
+
+    def _progress_of(self, states: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+        got = self._live_slots
+        if got is None or got[0] is not states:  # the list is kept until ranks change
+            got = self._live_slots = (states, slots_of(states, self.progress))
+        cols, slots = self.progress, got[1]
+        return cols.last_t[slots], cols.done_step[slots]
 
     def liveness(self) -> Sequence[RankLiveness]:
         live = super().liveness()

@@ -763,13 +763,12 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
     keys = _run(first, nk)  # once a round
     cuts = list(zip(blobs, x_at.tolist(), f_at.tolist(), i_at.tolist(), strict=True))
     ext = b"".join([b[x:f] for b, x, f, _ in cuts])
+    # Each group's longest, then its shortest waits: a tuple each, unpacked
+    # straight from the joined bytes (no list made and copied per group).
+    waits = struct.Struct(f"<{nk}d").iter_unpack(ext) if nk else iter([()] * (2 * count))
     groups = [
-        new_tuple(KeyGroup, (keys, tuple(hi), tuple(lo), size))
-        for (hi, lo), size in zip(
-            np.frombuffer(ext, "<f8").reshape(count, 2, nk).tolist(),
-            grp["size"].tolist(),
-            strict=True,
-        )
+        new_tuple(KeyGroup, (keys, hi, lo, size))
+        for hi, lo, size in zip(waits, waits, grp["size"].tolist(), strict=True)
     ]
     joined = _joined_columns(
         step,
