@@ -944,14 +944,15 @@ def sample_tuples(cols: Mapping[str, np.ndarray]) -> list[FlowSample]:
     ]  # fmt: skip
 
 
-def routed_srtts(flows: Sequence[PairFlow], min_bytes: int) -> list[float]:
+def routed_srtts(flows: Sequence[PairFlow], min_bytes: int) -> Sequence[float]:
     """The srtt of every routed (not loopback) flow that carried ``min_bytes`` or
     more and reported one, in order: read from the columns of a
-    :class:`FlowMatrix`, without making its flows."""
+    :class:`FlowMatrix` (and sorted there: an array), without making its flows."""
     if isinstance(flows, FlowMatrix):
         c = flows.cols
         ok = ~c["loopback"] & c["has_srtt"] & (c["tx_bytes"] >= min_bytes)
-        return sorted(c["srtt_us"][ok].tolist())
+        out: Any = np.sort(c["srtt_us"][ok], kind="stable")  # as sorted(): equal ones in order
+        return out
     return sorted(
         p.srtt_us for p in flows if not p.loopback and p.srtt_us is not None
         and p.tx_bytes >= min_bytes

@@ -545,3 +545,43 @@ def test_a_nodes_strings_kept_are_bounded_in_count_and_bytes(
         assert back.flows == w.flows
         assert sum(map(len, CS._STRINGS_ONLY)) == CS._strings_bytes[0] <= 4096
     assert 0 < len(CS._STRINGS_ONLY) < 40
+
+
+def test_a_steady_rounds_flow_windows_held_as_last_round_read_as_alone() -> None:
+    # Every node's window a digest and flow rows alone, round after round: the
+    # third read finds each JSON where it was (checked in place, not hashed);
+    # a node whose JSON changed (one byte, the same length) or a window that
+    # moved is not read as last round's, and every read is each window alone.
+    rng = random.Random(5)
+    keys = list(range(40, 48))
+
+    def blobs_of(hosts: list[str], t: float) -> list[bytes]:
+        out = []
+        for i, host in enumerate(hosts):
+            d = CS.digest_step(7, {r: _colls(rng, r, 7, keys, 0.0) for r in (2 * i, 2 * i + 1)})
+            rows = FlowRowsBuilder()
+            for rec in _flows(3, host, t):
+                rows.add(rec)
+            out.append(CS.encode(CS.Window(f"node-{i}", 9, t + 0.5, (), (d,), (), (), rows.take())))
+        return out
+
+    def same(fast: CS.Round | None, blobs: list[bytes]) -> None:
+        slow = CS._round_of_windows(blobs)
+        assert fast is not None and fast.windows == slow.windows
+        assert fast.flows.rows.tobytes() == slow.flows.rows.tobytes()
+        assert fast.flows.strings.tolist() == slow.flows.strings.tolist()
+        assert fast.flows.window.tolist() == slow.flows.window.tolist()
+
+    hosts = ["host-a", "host-b", "host-c"]
+    steady = blobs_of(hosts, 50.5)
+    for _ in range(3):
+        same(CS._uniform_round(steady), steady)
+    assert len(CS._LAST_FLOWS[1]) == 3  # kept for the next round
+    changed = blobs_of(["host-a", "host-x", "host-c"], 50.5)  # host-b's JSON, a byte off
+    got = CS._uniform_round(changed)
+    same(got, changed)
+    assert got is not None and any("host-x" in s for s in got.flows.strings.tolist())
+    moved = blobs_of(["host-c", "host-a", "host-x"], 50.5)
+    same(CS._uniform_round(moved), moved)
+    fewer = blobs_of(["host-a", "host-x"], 50.5)
+    same(CS._uniform_round(fewer), fewer)

@@ -255,13 +255,18 @@ def flow_table(all_flows: Sequence[FlowRows]) -> FlowTable:
     )
 
 
-def joined_table(lists: list[Any], rows_of: list[Any], at: list[int]) -> FlowTable:
+def joined_table(
+    lists: list[Any], rows_of: list[Any], at: list[int], counts: np.ndarray | None = None
+) -> FlowTable:
     """:func:`flow_table` of the windows that have rows: each one's strings (a
     tuple), its rows' bytes (bytes-like, not empty) and its index in the list
-    the table's ``window`` column refers to."""
+    the table's ``window`` column refers to; ``counts``: each one's rows, when
+    its bytes were cut to whole rows already."""
     width = ROW.itemsize
-    if any(len(r) % width for r in rows_of):
-        raise ValueError("flow rows cut short")
+    if counts is None:
+        if any(len(r) % width for r in rows_of):
+            raise ValueError("flow rows cut short")
+        counts = np.array([len(r) // width for r in rows_of], np.int64)
     last = _LAST_STRINGS
     if len(lists) == len(last[0]) and all(map(is_, lists, last[0])):
         # The windows' very string tuples of the last round (a leader's
@@ -278,7 +283,6 @@ def joined_table(lists: list[Any], rows_of: list[Any], at: list[int]) -> FlowTab
         firsts = np.cumsum(sizes) - sizes
         last[:] = (lists, joined, sizes, firsts)
     rows = np.frombuffer(b"".join(rows_of), ROW).copy()
-    counts = np.array([len(r) // width for r in rows_of], np.int64)
     which = np.repeat(np.arange(len(rows_of)), counts)
     size, first = sizes[which], firsts[which]
     for name in ("host", "src", "dst"):

@@ -546,7 +546,7 @@ def job_srtt(flows: Sequence[PairFlow], cfg: NetworkConfig) -> float | None:
     """The median byte-weighted srtt of the active flows: the job's srtt, whose history
     (in unstretched steps) is the reference when every flow touches a rank."""
     srtts = routed_srtts(flows, cfg.net_min_bytes)
-    return median_sorted(srtts) if srtts else None
+    return float(median_sorted(srtts)) if len(srtts) else None
 
 
 def quiet_view(flows: Sequence[PairFlow], cfg: NetworkConfig) -> NetView:
