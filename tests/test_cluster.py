@@ -585,3 +585,28 @@ def test_a_steady_rounds_flow_windows_held_as_last_round_read_as_alone() -> None
     same(CS._uniform_round(moved), moved)
     fewer = blobs_of(["host-a", "host-x"], 50.5)
     same(CS._uniform_round(fewer), fewer)
+
+
+def test_a_node_is_given_every_host_its_rows_name_round_after_round() -> None:
+    # The leader notes a round's (window, host)s once while rounds repeat
+    # them: a host a node's rows name later is still the node's, and so are
+    # the same rows' hosts when other nodes send them (nodes in other places).
+    det = LeaderDetector()
+
+    def ingest(t: float, spec: list[tuple[str, list[str]]]) -> None:
+        blobs = []
+        for node, hosts in spec:
+            rows = FlowRowsBuilder()
+            for host in hosts:
+                for rec in _flows(2, host, t):
+                    rows.add(rec)
+            blobs.append(CS.encode(CS.Window(node, 9, t + 0.5, (), (), (), (), rows.take())))
+        det.ingest(decode_round(blobs))
+
+    ingest(10.0, [("node-a", ["h0"]), ("node-b", ["h1"])])
+    ingest(11.0, [("node-a", ["h0"]), ("node-b", ["h1"])])
+    ingest(12.0, [("node-a", ["h0", "h2"]), ("node-b", ["h1"])])
+    assert det.node_hosts == {"node-a": {"h0", "h2"}, "node-b": {"h1"}}
+    ingest(13.0, [("node-a", ["h0", "h2"]), ("node-b", ["h1"])])
+    ingest(14.0, [("node-b", ["h0", "h2"]), ("node-a", ["h1"])])
+    assert det.node_hosts == {"node-a": {"h0", "h1", "h2"}, "node-b": {"h0", "h1", "h2"}}

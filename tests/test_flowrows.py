@@ -531,3 +531,63 @@ def test_a_rounds_flows_named_as_the_last_rounds_serve_again_as_records_would() 
     corr = rows.pipeline.corr
     assert corr.evicted["pair"] >= 3  # as the story goes
     assert 40 <= sum(rows.reused) < len(rows.reused)  # most rounds, not the changed ones
+
+
+def _pipe_state(p: LeaderPipeline) -> tuple[Any, ...]:
+    return (p.now, p._next_tick, p._ticks, p._horizon, dict(p._totals), dict(p.guard.counts))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.floats(-4.0, 5.0),
+            st.lists(st.floats(0.0, 1.0), max_size=12),
+            st.booleans(),
+            st.one_of(st.none(), st.floats(3.5, 8.0)),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_a_run_of_node_clocks_at_once_is_each_fed_alone(
+    rounds: list[tuple[float, list[float], bool, float | None]],
+) -> None:
+    # Rounds of node clocks, each in order, as LeaderPipeline.clocks takes a
+    # run of them (as many at once as neither meet the guard nor tick, then
+    # one alone), against each fed to clock() in turn: the same clock, ticks,
+    # guard horizon, counts and verdicts. Rounds jump back and ahead, so the
+    # clocks cross ticks (every 0.5 s) and the guard's horizon (3 s past the
+    # clock at a tick), and come while the guard holds a host's record aside
+    # (a probe record that far ahead of the clock).
+    alone, at_once = LeaderPipeline(), LeaderPipeline()
+    out_alone: list[Any] = []
+    out_at_once: list[Any] = []
+    for p in (alone, at_once):
+        p.feed({"kind": "clock", "t": 100.0})
+    t = 100.0
+    for jump, gaps, nan, ahead in rounds:
+        if ahead is not None:
+            rec = {"kind": "netdev", "t": alone.now + ahead, "dt": 1.0, "host": "h9",
+                   "dev": "eth0", "tx_bytes": 0, "rx_bytes": 0}  # fmt: skip
+            out_alone.extend(alone.feed(dict(rec)))
+            out_at_once.extend(at_once.feed(dict(rec)))
+        ts = []
+        t += jump
+        for gap in gaps:
+            t += gap
+            ts.append(t)
+        if nan:
+            ts.append(math.nan)  # sorted last, as the time line sorts it
+        for c in ts:
+            out_alone.extend(alone.clock(c))
+        i = 0
+        while i < len(ts):
+            j = at_once.clocks(ts, i, len(ts))
+            if j > i:
+                i = j
+                continue
+            out_at_once.extend(at_once.clock(ts[i]))
+            i += 1
+        assert out_at_once == out_alone
+        assert _pipe_state(at_once) == _pipe_state(alone)
