@@ -525,7 +525,8 @@ class LeaderDetector:
         them from the store (each step's digests already joined)."""
         with collector_held():
             if isinstance(windows, Round):
-                return self._ingest(windows.windows, windows.steps, windows.flows)
+                rnd = windows
+                return self._ingest(rnd.windows, rnd.steps, rnd.flows, rnd.plain)
             return self._ingest(windows, None, flow_table([w.flows for w in windows]))
 
     def _ingest(
@@ -533,6 +534,7 @@ class LeaderDetector:
         windows: Sequence[Window],
         joined: Mapping[int, StepDigest] | None,
         flows: FlowTable,
+        plain: bool = False,
     ) -> list[Record]:
         corr = self.corr
         # records, progress points (t, rank, step, seq), and node clocks (t)
@@ -562,7 +564,10 @@ class LeaderDetector:
         # Where each window's flow rows go in ``recs``: after its records,
         # before its clock (as if its records had ended with them).
         flows_at: list[int] = []
-        for w in windows:
+        if plain:  # every window its clock alone (Round.plain): one after another
+            flows_at = list(range(len(recs), len(recs) + len(windows)))
+            recs.extend([w.t for w in windows])
+        for w in () if plain else windows:
             if not (w.progress or w.heard or w.records):
                 flows_at.append(len(recs))
                 recs.append(float(w.t))

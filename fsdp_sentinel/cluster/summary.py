@@ -632,6 +632,9 @@ class Round(NamedTuple):
     steps: dict[int, StepDigest]
     bad: int
     flows: FlowTable = NO_TABLE
+    #: Every window holds digests and flow rows alone (no records, progress
+    #: or heard entries), each its clock a float: a steady round, read at once.
+    plain: bool = False
 
 
 class _Part(NamedTuple):
@@ -790,14 +793,14 @@ def _uniform_round(blobs: list[bytes]) -> Round | None:
     ]
     more = np.flatnonzero(n_json + n_flows)  # windows with JSON or flow rows
     try:
-        flows = (
+        flows, plain = (
             _round_flows(blobs, windows, more, name_end, n_json[more], n_flows[more])
             if len(more)
-            else NO_TABLE
+            else (NO_TABLE, True)
         )
     except _NOT_A_WINDOW:
         return None
-    return Round(windows, {step: joined}, 0, flows)
+    return Round(windows, {step: joined}, 0, flows, plain)
 
 
 def _round_flows(
@@ -807,11 +810,12 @@ def _round_flows(
     json_at: list[int],
     n_json: np.ndarray,
     n_flows: np.ndarray,
-) -> FlowTable:
+) -> tuple[FlowTable, bool]:
     """The flow rows of a steady round's windows ``more`` (those with JSON or flow
     rows; ``json_at``: where each blob's JSON begins, ``n_json`` and ``n_flows``
     theirs), joined; a window whose JSON is more than its rows' strings is
     read whole (:func:`_window_of`) and replaces its entry in ``windows``.
+    And whether none was (every window still holds digests and rows alone).
 
     A window whose JSON only lists its rows' strings, read before (the same
     bytes every round: ``_STRINGS_ONLY``), is cut: its strings looked up by
@@ -834,13 +838,14 @@ def _round_flows(
         ends = (np.asarray(starts) + n_json).tolist()
         stops = (np.asarray(ends) + width * n_flows).tolist()
         rows_of = [b[e:z] for b, e, z in zip(sel, ends, stops, strict=True)]
-        return joined_table(last[2], rows_of, at, n_flows)
+        return joined_table(last[2], rows_of, at, n_flows), True
     known = _STRINGS_ONLY.get
     lists: list[Any] = []
     rows_of = []
     placed: list[int] = []
     raws: list[bytes] = []
     cut_all = bool(n_flows.all())  # every window cut: this round's JSON kept for the next
+    plain = True
     rows: Any
     for i, b, a, nj, nf in zip(at, sel, starts, n_json.tolist(), n_flows.tolist(), strict=True):
         raw = b[a : a + nj]
@@ -850,6 +855,7 @@ def _round_flows(
             w = windows[i]
             w = _window_of(b, a, nj, nf, w.node, w.seq, w.t)[0]
             windows[i] = w._replace(flows=NO_FLOWS)
+            plain = plain and not (w.records or w.progress or w.heard)
             if not w.flows.rows:
                 continue
             strings, rows = w.flows.strings, w.flows.rows
@@ -862,10 +868,10 @@ def _round_flows(
         placed.append(i)
         raws.append(raw)
     if not rows_of:
-        return NO_TABLE
+        return NO_TABLE, plain
     table = joined_table(lists, rows_of, placed)
     _LAST_FLOWS[:] = (n_json.copy(), raws, lists) if cut_all else (None, [], [])
-    return table
+    return table, plain
 
 
 #: The last steady round's windows with flow rows, when every one was cut
