@@ -139,6 +139,41 @@ def test_a_job_of_many_ranks_is_judged_over_columns_and_flags_its_straggler() ->
     assert isinstance(pipe.last_report.scores[0].rank, int)  # type: ignore[union-attr]
 
 
+def _arrays(tracks: TrackColumns) -> list[bytes]:
+    hists = (tracks.rel, tracks.ind, tracks.rel_long, tracks.rel_trend, tracks.compute)
+    return [a.tobytes() for h in hists for a in h] + [
+        a.tobytes() for a in (tracks.ranks, tracks.bad, tracks.clean, tracks.cause)
+    ]
+
+
+def test_a_steps_judgement_leaves_the_last_states_tracks_as_they_were() -> None:
+    # The columnar judge pushes onto new histories (the last state's are read,
+    # never written), so a state once made stays what it was: a straggler
+    # flagged and cleared, every history full, ranks that join late.
+    scn = synth.Scenario(
+        ranks=80, steps=60, mesh=False, faults=(synth.SlowCompute(11, 1.6, 8, 30),)
+    )
+    pipe = Pipeline()
+    kept: list[tuple[TrackColumns, list[bytes]]] = []
+    flagged = set()
+    for rec in synth.generate(scn)[0]:
+        for v in pipe.feed(rec):
+            flagged.add((v["rank"], v["cause"], v["state"]))
+        tracks = pipe.state.tracks
+        if isinstance(tracks, TrackColumns) and (not kept or kept[-1][0] is not tracks):
+            kept.append((tracks, _arrays(tracks)))
+    assert (11, "compute", "flagged") in flagged and len(kept) > 40
+    assert all(np.all(t.compute.n == 30) for t, _ in kept[-5:])  # full: pushed as one block
+    for tracks, was in kept:
+        assert _arrays(tracks) == was
+    # A history no push replaced is copied for the next state (a rank judged
+    # alone writes its row into it).
+    last = kept[-1][0]
+    nxt = last.with_hists(last.rel, last.ind, last.rel_long, last.rel_trend, last.compute, last)
+    assert nxt.rel is not last.rel and nxt.compute.vals is not last.compute.vals
+    assert _arrays(nxt) == _arrays(last)
+
+
 def test_step_ranks_read_back_as_the_rank_steps_they_were_made_of() -> None:
     rows = (
         RankStep(0, 1.5, 0.25, 1.25, 0.0, 0.5, 4, 4),

@@ -153,6 +153,24 @@ def _push(h: Hist, rows: np.ndarray, values: np.ndarray) -> None:
         h.n[p] = n[part] + 1
 
 
+def _pushed(h: Hist, rows: np.ndarray, values: np.ndarray) -> Hist:
+    """:func:`_push` onto a new history, ``h`` left as it was (it is the last
+    state's); ``h`` itself when nothing is pushed. Every row, each full (a
+    steady big job), is shifted as it is copied: one pass, not a copy and
+    then a shift over itself."""
+    width = h.vals.shape[1]
+    if not width or not len(rows):
+        return h
+    if len(rows) == len(h.n) and (h.n >= width).all():
+        vals = np.empty_like(h.vals)
+        vals[:, :-1] = h.vals[:, 1:]
+        vals[:, -1] = values
+        return Hist(vals, h.n.copy())
+    out = h.copy()
+    _push(out, rows, values)
+    return out
+
+
 def _medians(h: Hist, rows: np.ndarray) -> np.ndarray:
     if len(rows) == len(h.n):  # every row (rows are distinct): no copy to take
         return row_medians(h.vals, h.n)
@@ -169,7 +187,9 @@ def judge(
     need = (cfg.persistence.window + 1) // 2  # scores in the window before it has a median
     idx = np.flatnonzero(keep)
     rank = ranks.rank[idx]
-    tracks, rows = before.including(rank)
+    # The histories are the state's own until pushed (_pushed makes the next
+    # state's); the rest of the tracks is a copy, changed in place.
+    tracks, rows = before.including(rank, copy_hists=False)
     n = len(idx)
     late = ranks.late_s[idx]
     matched = ranks.matched[idx] > 0
@@ -206,11 +226,11 @@ def judge(
             med = (lower + upper) / 2.0
         rel_now[has_now] = (v - med) / np.maximum(np.maximum(ref - v, 0.1 * ref), 1e-9)
     now_rows, now_vals = rows[has_now], rel_now[has_now]
-    _push(tracks.rel, now_rows, now_vals)
-    _push(tracks.rel_long, now_rows, now_vals)
-    _push(tracks.rel_trend, now_rows, now_vals)
-    relative = _medians(tracks.rel, rows)
-    relative[tracks.rel.n[rows] < need] = nan
+    rel = _pushed(tracks.rel, now_rows, now_vals)
+    rel_long = _pushed(tracks.rel_long, now_rows, now_vals)
+    rel_trend = _pushed(tracks.rel_trend, now_rows, now_vals)
+    relative = _medians(rel, rows)
+    relative[rel.n[rows] < need] = nan
     has_rel = relative == relative
 
     # The individual score: compute now against the rank's own history.
@@ -221,17 +241,17 @@ def judge(
         has_ind = has_comp & (tracks.compute.n[rows] >= cfg.baseline.min_history)
         own = _medians(tracks.compute, rows[has_ind])
         ind_now[has_ind] = (comp[has_ind] - own) / base
-    _push(tracks.ind, rows[has_ind], ind_now[has_ind])
-    individual = _medians(tracks.ind, rows)
-    individual[(tracks.ind.n[rows] < need) | ~has_ind] = nan
+    ind = _pushed(tracks.ind, rows[has_ind], ind_now[has_ind])
+    individual = _medians(ind, rows)
+    individual[(ind.n[rows] < need) | ~has_ind] = nan
 
     # Slow, by the bar or by the sustained rule, for a rank with no open verdict
     # (one with a verdict goes through judge_rank: its hysteresis differs).
     sustained = np.zeros(n, dtype=bool)
     sw = c.sustained_window
     if sw:
-        full = tracks.rel_long.n[rows] >= sw
-        long_med = _medians(tracks.rel_long, rows[full])
+        full = rel_long.n[rows] >= sw
+        long_med = _medians(rel_long, rows[full])
         ok = long_med >= ctx.low
         mine = ctx.attributed if ctx.n_flagged == 0 else None
         if mine is not None:
@@ -248,7 +268,7 @@ def judge(
             & has_rel
             & (relative >= c.trend_level)
             & (relative >= c.trend_bar_share * ctx.bar)
-            & (tracks.rel_trend.n[rows] >= tw)
+            & (rel_trend.n[rows] >= tw)
         )
     named = [*ctx.net.node, *ctx.net.links]
     if named:
@@ -259,7 +279,8 @@ def judge(
     # said anything about it.
     plain = ~special
     grow = plain & has_comp & (~has_now | (rel_now < ctx.bar))
-    _push(tracks.compute, rows[grow], comp[grow])
+    compute = _pushed(tracks.compute, rows[grow], comp[grow])
+    tracks = tracks.with_hists(rel, ind, rel_long, rel_trend, compute, before)
     said = plain if ctx.stretch is not None else plain & has_now  # persistence's "informative"
     said_rows = rows[said]
     tracks.bad[said_rows] = 0

@@ -9,6 +9,7 @@ reads the same, rank by rank.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -188,9 +189,14 @@ class TrackColumns:
             for r, c in zip(self.ranks[idx].tolist(), self.cause[idx].tolist(), strict=True)
         }
 
-    def including(self, ranks: np.ndarray) -> tuple[TrackColumns, np.ndarray]:
+    def including(
+        self, ranks: np.ndarray, copy_hists: bool = True
+    ) -> tuple[TrackColumns, np.ndarray]:
         """A copy with a fresh row for each of ``ranks`` (ascending) it lacks, and
-        each of ``ranks``' row in it (the copy is the next state's, to change)."""
+        each of ``ranks``' row in it (the copy is the next state's, to change).
+        ``copy_hists`` False: when no row is new, the histories are this one's
+        own, not copies (the caller replaces each before changing it:
+        :meth:`with_hists`)."""
         have = self.ranks
         if len(ranks) == len(have) and np.array_equal(ranks, have):
             new, rows = ranks[:0], np.arange(len(have))  # the usual step: every rank
@@ -200,13 +206,16 @@ class TrackColumns:
             known[known] = have[rows[known]] == ranks[known]
             new = ranks[~known]
         if not len(new):
+            h = [self.rel, self.ind, self.rel_long, self.rel_trend, self.compute]
+            if copy_hists:
+                h = [x.copy() for x in h]
             out = TrackColumns(
                 have,
-                self.rel.copy(),
-                self.ind.copy(),
-                self.rel_long.copy(),
-                self.rel_trend.copy(),
-                self.compute.copy(),
+                h[0],
+                h[1],
+                h[2],
+                h[3],
+                h[4],
                 self.bad.copy(),
                 self.clean.copy(),
                 self.cause.copy(),
@@ -232,6 +241,29 @@ class TrackColumns:
         out.cause[at] = self.cause
         out.flagged_step[at] = self.flagged_step
         return out, np.searchsorted(merged, ranks)
+
+    def with_hists(
+        self,
+        rel: Hist,
+        ind: Hist,
+        rel_long: Hist,
+        rel_trend: Hist,
+        compute: Hist,
+        before: TrackColumns,
+    ) -> TrackColumns:
+        """These tracks with these histories, each one still ``before``'s copied
+        (it is the last state's: never changed)."""
+        mine = [
+            h.copy() if h is b else h
+            for h, b in zip(
+                (rel, ind, rel_long, rel_trend, compute),
+                (before.rel, before.ind, before.rel_long, before.rel_trend, before.compute),
+                strict=True,
+            )
+        ]
+        return dataclasses.replace(
+            self, rel=mine[0], ind=mine[1], rel_long=mine[2], rel_trend=mine[3], compute=mine[4]
+        )
 
     def restarted(self) -> TrackColumns:
         """The tracks of a new attempt of the job: each rank's compute history only."""
