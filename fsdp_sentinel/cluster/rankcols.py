@@ -4,8 +4,8 @@ Every round the leader notes, for every rank of the job, the figures a
 digest carries about its progress: when it was last heard of, its first
 step, its newest step with collectives and with a step record, its newest
 collective's seq. Kept as attributes of each rank's state that was a Python
-loop over 16k objects a round, four times over (filing the digest, its step
-records, the liveness view), a fifth of a 16k-rank leader's window.
+loop over 16k objects a round, three times over (filing the digest, its step
+records, the liveness view): about 7 ms of a 16k-rank leader's 30.
 
 So a :class:`ProgressColumns` holds those figures as arrays, a slot a rank,
 and a :class:`ColumnRank` (the correlator's rank state) reads and writes its
