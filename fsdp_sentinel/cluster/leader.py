@@ -127,14 +127,15 @@ class LeaderCorrelator(Correlator):
         has = _ints(d.n_coll) != 0
         if not has.any():
             return
-        busy = slots if has.all() else slots[has]
+        every = bool(has.all())
+        busy = slots if every else slots[has]
         cols.max_coll_step[busy] = np.maximum(cols.max_coll_step[busy], step)
         if step > self.max_coll_step:
             self.max_coll_step = step
         tops = np.asarray(group_top_seqs(d), dtype=np.int64)
         group = _ints(d.group)
         # at: a rank may be named twice (a node in error): each seq counts
-        np.maximum.at(cols.top_seq, busy, tops[group if has.all() else group[has]])
+        np.maximum.at(cols.top_seq, busy, tops[group if every else group[has]])
 
     def _digest_states(self, d: StepDigest) -> _KnownRanks:
         """The states of ``d``'s ranks, in order (made for any not yet known): the
@@ -388,7 +389,7 @@ class LeaderPipeline(Pipeline):
         stopped."""
         if ts[j - 1] != ts[j - 1]:  # a NaN (sorted last): each its own
             return i
-        m = min(bisect_right(ts, self._horizon, i, j), bisect_left(ts, self._next_tick, i, j))
+        m = self._quiet_until(ts, i, j)
         if m > i:
             totals = self._totals
             totals["clock"] = totals.get("clock", 0) + m - i
@@ -437,6 +438,11 @@ class LeaderPipeline(Pipeline):
             return False
         return t <= self._horizon and not (t >= self._next_tick and t > self.now)
 
+    def _quiet_until(self, ts: Sequence[Any], i: int, j: int) -> int:
+        """Where the times ``ts[i:j]`` (in order) first meet the guard's horizon
+        or the next tick: those before need nothing but filing now."""
+        return min(bisect_right(ts, self._horizon, i, j), bisect_left(ts, self._next_tick, i, j))
+
     def can_hold(self, line: FlowLine, k: int, end: int) -> bool:
         """Would rows ``k .. end - 1`` be filed as one run (:meth:`file_flow_rows`)
         now: within the guard's horizon, before the next tick, no observer?"""
@@ -457,10 +463,7 @@ class LeaderPipeline(Pipeline):
         while k < end:
             j = k
             if self.observer is None:  # the line is in time order
-                j = min(
-                    bisect_right(ts, self._horizon, k, end),
-                    bisect_left(ts, self._next_tick, k, end),
-                )
+                j = self._quiet_until(ts, k, end)
             if j > k:
                 self.corr.add_flow_rows(
                     line.keys[k:j], ts[k:j], line.dt[k:j], line.cols, k,
