@@ -11,7 +11,6 @@ again. Prints one JSON line per rank.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_sentinel.trainer.data import MarkovTokens
+from fsdp_sentinel.trainer.loop import leave
 from fsdp_sentinel.trainer.model import GPT, ModelConfig, loss_fn
 from fsdp_sentinel.trainer.ternary import TernaryWeight, quantise_weight, ternarise
 
@@ -99,10 +99,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Out without the interpreter's teardown: with the barrier above it still
-    # aborted once (session 30, the full suite), as torch's C++ statics went
-    # down while a gloo thread ran (fsdp_sentinel/trainer/__main__.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())  # with the barrier above it still aborted once at teardown

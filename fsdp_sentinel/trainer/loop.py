@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from fsdp_sentinel.trainer.config import TrainConfig, build_parser, parse_args
 
@@ -237,6 +237,17 @@ def _stall_fault(cfg: TrainConfig, host: str, rank: int) -> dict[str, Any]:
         "step": cfg.delay_start,
         "end_step": cfg.delay_stop,
     }
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with ``code`` without the interpreter's teardown, once a rank's
+    group is destroyed and its hooks closed: tearing down torch's C++ statics
+    while a gloo thread still runs aborted ranks that had finished cleanly
+    now and then ("terminate called without an active exception": CI,
+    sessions 29-30, even after a barrier before the teardown)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
